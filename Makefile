@@ -1,0 +1,36 @@
+# gkbuild: two entry points for a fresh machine, `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch is pinned: on these machines 2.13.0 is the CPU build on local disk; an
+# unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gkbuild synth tiny --out artifacts/tiny-src
+	$(VENV)/bin/gkbuild inspect artifacts/tiny-src
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf artifacts/* $(VENV) .pytest_cache .hypothesis
+	touch artifacts/.gitkeep

@@ -1,0 +1,3 @@
+"""gkbuild: the build pipeline for GPT-OSS giga-kernel (fused decode) serving."""
+
+__version__ = "0.1.0"

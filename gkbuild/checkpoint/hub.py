@@ -1,0 +1,83 @@
+"""``hf://org/name@revision`` sources through huggingface_hub.
+
+Only what a build reads is downloaded: ``config.json``, the safetensors index, and exactly the
+weight files the index names (the hub repos also carry ``original/`` and ``metal/`` copies that a
+``*.safetensors`` pattern would drag in). The user's HF cache and ``HF_HUB_OFFLINE`` are honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import GkError
+from .reader import INDEX, SINGLE
+
+_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[\w.\-/]+))?$")
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    revision: str
+
+    @property
+    def uri(self) -> str:
+        return f"hf://{self.repo}@{self.revision}"
+
+
+def parse(uri: str) -> HubRef:
+    m = _URI.match(uri)
+    if not m:
+        raise GkError(f"source {uri!r}: expected hf://ORG/NAME[@REVISION]")
+    return HubRef(m["repo"], m["rev"] or "main")
+
+
+def _download(ref: HubRef, patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        return Path(snapshot_download(repo_id=ref.repo, revision=ref.revision, allow_patterns=patterns))
+    except GatedRepoError:
+        raise GkError(f"{ref.uri}: the repository is gated; accept its terms on the hub and log in "
+                      f"(huggingface-cli login or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise GkError(f"{ref.uri}: revision {ref.revision!r} does not exist on the hub") from None
+    except RepositoryNotFoundError:
+        raise GkError(f"{ref.uri}: repository not found on the hub (or not visible with your token)") from None
+    except LocalEntryNotFoundError:
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        raise GkError(f"{ref.uri}: revision {ref.revision!r} is not in the local HF cache "
+                      f"({constants.HF_HUB_CACHE}) and the hub is unreachable{offline}; download it where "
+                      f"the hub is reachable or point HF_HUB_CACHE at a cache that has it") from None
+    except OSError as e:
+        raise GkError(f"{ref.uri}: download failed: {e}") from None
+
+
+def fetch_config(uri: str) -> Path:
+    """Only ``config.json`` (what planning needs); returns its path."""
+    return _download(parse(uri), ["config.json"]) / "config.json"
+
+
+def resolve(uri: str) -> tuple[HubRef, Path]:
+    """Download (or find in the cache) what a build needs; return the snapshot folder."""
+    ref = parse(uri)
+    snap = _download(ref, ["config.json", INDEX])
+    index = snap / INDEX
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise GkError(f"{ref.uri}: {INDEX} is not a valid safetensors index") from None
+    else:
+        files = [SINGLE]
+    bad = [f for f in files if Path(f).name != f]
+    if bad:
+        raise GkError(f"{ref.uri}: {INDEX} names weight files outside the repo root: {bad[:3]}")
+    snap = _download(ref, ["config.json", INDEX, *files])
+    return ref, snap

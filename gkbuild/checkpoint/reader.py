@@ -1,0 +1,168 @@
+"""Open an HF-layout GPT-OSS MXFP4 checkpoint: validate it fully from headers, then map tensors.
+
+Nothing is loaded: ``read`` returns a zero-copy view into a memory-mapped file, and ``release``
+drops a tensor's pages from the process once the caller is done with it, so reading a 65 GB
+checkpoint tensor by tensor keeps memory flat.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GkError
+from ..model import GptOssConfig
+from . import names
+from .mxfp4 import check_scales
+from .safetensors_io import Header, MappedFile, TensorInfo, read_header
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: GptOssConfig
+    headers: dict[str, Header]  # file name -> header
+    where: dict[str, TensorInfo]  # tensor name -> location
+    extras: list[str] = field(default_factory=list)  # tensors present but not expected
+    _maps: dict[str, MappedFile] = field(default_factory=dict, repr=False)
+
+    # -- opening ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: Path | str) -> "Checkpoint":
+        root = Path(root)
+        if not root.is_dir():
+            raise GkError(f"{root}: not a checkpoint folder")
+        config = GptOssConfig.from_file(root / "config.json")
+        files = _weight_files(root)
+        headers = {f: read_header(root / f) for f in files}
+        where: dict[str, TensorInfo] = {}
+        for f, h in headers.items():
+            for name, info in h.tensors.items():
+                if name in where:
+                    raise GkError(f"{root / f}: tensor {name} is also in {where[name].file.name}")
+                where[name] = info
+        index = _read_index(root)
+        if index is not None:
+            for name, f in index.items():
+                if name not in where:
+                    raise GkError(f"{root / f}: tensor {name} is listed in {INDEX} but not in the file")
+                if where[name].file.name != f:
+                    raise GkError(f"{root / INDEX}: tensor {name} is listed in {f} but lives in "
+                                  f"{where[name].file.name}")
+        ck = cls(root, config, headers, where)
+        ck._validate()
+        return ck
+
+    def _validate(self) -> None:
+        expected = names.expected_specs(self.config)
+        for spec in expected:
+            info = self.where.get(spec.name)
+            if info is None:
+                raise GkError(f"{self.root}: missing tensor {spec.name} ({spec.dtype}{list(spec.shape)}) "
+                              f"required by config.json")
+            if info.shape != spec.shape or info.dtype.name != spec.dtype:
+                raise GkError(f"{info.file}: tensor {spec.name} is {info.dtype.name}{list(info.shape)}, "
+                              f"expected {spec.dtype}{list(spec.shape)}")
+        known = {s.name for s in expected}
+        self.extras = sorted(n for n in self.where if n not in known)
+
+    # -- reading ------------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.where[name]
+        except KeyError:
+            raise GkError(f"{self.root}: no tensor {name}") from None
+
+    def _map(self, info: TensorInfo) -> MappedFile:
+        key = info.file.name
+        if key not in self._maps:
+            self._maps[key] = MappedFile(self.headers[key])
+        return self._maps[key]
+
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        """A read-only zero-copy view of tensor ``name`` (or of its ``index``-th leading slice).
+
+        MXFP4 scales are checked as they are read: a 255 byte names the file and tensor.
+        """
+        info = self.info(name)
+        arr = self._map(info).array(info)
+        if index is not None:
+            arr = arr[index]
+        if name.endswith("_scales"):
+            where = f"{info.file}: tensor {name}" + (f"[{index}]" if index is not None else "")
+            check_scales(arr, where)
+        return arr
+
+    def release(self, name: str) -> None:
+        """Drop tensor ``name``'s mapped pages from this process's memory."""
+        info = self.info(name)
+        self._map(info).release(info.offset, info.nbytes)
+
+    def deep_check(self, advance=lambda n: None) -> None:
+        """Read every byte once (file order, pages released as it goes): NaN scales, non-finite floats."""
+        for info in sorted(self.where.values(), key=lambda i: (i.file.name, i.offset)):
+            arr = self.read(info.name)
+            if info.dtype.name in ("bf16", "fp16", "fp32"):
+                rows = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(1, -1)
+                step = max(1, (64 << 20) // max(rows[0].nbytes, 1))
+                for r in range(0, rows.shape[0], step):
+                    if not np.isfinite(rows[r:r + step].astype(np.float32)).all():
+                        raise GkError(f"{info.file}: tensor {info.name} has non-finite values")
+            self.release(info.name)
+            advance(info.nbytes)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+
+    # -- facts ----------------------------------------------------------------------------------
+    @property
+    def files(self) -> list[Path]:
+        """Every file the checkpoint consists of (config, index if any, weights)."""
+        out = [self.root / "config.json"]
+        if (self.root / INDEX).exists():
+            out.append(self.root / INDEX)
+        return out + [h.path for h in self.headers.values()]
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, info in self.where.items():
+            k = names.kind(name)
+            out[k] = out.get(k, 0) + info.nbytes
+        return out
+
+
+def _read_index(root: Path) -> dict[str, str] | None:
+    p = root / INDEX
+    if not p.exists():
+        return None
+    try:
+        obj = json.loads(p.read_text())
+        wm = obj["weight_map"]
+        if not isinstance(wm, dict):
+            raise TypeError
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise GkError(f"{p}: not a valid safetensors index (needs a 'weight_map' object)") from None
+    return {str(k): str(v) for k, v in wm.items()}
+
+
+def _weight_files(root: Path) -> list[str]:
+    index = _read_index(root)
+    if index is not None:
+        files = sorted(set(index.values()))
+        for f in files:
+            if Path(f).name != f or f.startswith("."):
+                raise GkError(f"{root / INDEX}: weight file {f!r} is not a plain file name")
+            if not (root / f).exists():
+                raise GkError(f"{root / f}: listed in {INDEX} but missing")
+        return files
+    if (root / SINGLE).exists():
+        return [SINGLE]
+    raise GkError(f"{root}: no {INDEX} and no {SINGLE}")

@@ -1,0 +1,245 @@
+"""safetensors files: a strict header reader and a positional, atomic writer.
+
+gkbuild reads headers itself (rather than through ``safe_open``) so that every way a file can be
+broken gets a message naming the file and the tensor, and maps data zero-copy with ``mmap``.
+The writer knows every tensor's shape up front (from the plan), lays out the header first, then
+accepts tensor bytes in any order and in chunks: shards are written incrementally and appear
+under their final name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import GkError
+
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    file: Path
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    size: int
+    data_start: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_header(path: Path) -> Header:
+    """Parse and fully validate a safetensors header against the file's real size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise GkError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, _MAX_HEADER):
+                raise GkError(f"{path}: corrupt safetensors header: header length {n} exceeds the "
+                              f"file's {size} bytes")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise GkError(f"{path}: file not found") from None
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GkError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+    if not isinstance(obj, dict):
+        raise GkError(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = obj.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    data_len = size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    for name, e in obj.items():
+        try:
+            dt = dtypes.from_safetensors(e["dtype"])
+            shape = tuple(int(s) for s in e["shape"])
+            begin, end = (int(v) for v in e["data_offsets"])
+        except GkError as err:
+            raise GkError(f"{path}: tensor {name}: {err}") from None
+        except (KeyError, TypeError, ValueError):
+            raise GkError(f"{path}: tensor {name}: malformed header entry {e!r}") from None
+        if any(s < 0 for s in shape) or begin < 0 or end < begin:
+            raise GkError(f"{path}: tensor {name}: invalid shape {list(shape)} or offsets [{begin}, {end}]")
+        want = math.prod(shape) * dt.itemsize
+        if end - begin != want:
+            raise GkError(f"{path}: tensor {name}: header offsets [{begin}, {end}] hold {end - begin} bytes but "
+                          f"{dt.name}{list(shape)} needs {want}")
+        if end > data_len:
+            raise GkError(f"{path}: truncated: tensor {name} ends at data byte {end} but the file holds only "
+                          f"{max(data_len, 0)} data bytes")
+        tensors[name] = TensorInfo(name, dt, shape, data_start + begin, want, path)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+    pos = data_start
+    for begin, end, name in spans:
+        if begin != pos:
+            what = "overlaps the previous tensor" if begin < pos else "leaves a hole before it"
+            raise GkError(f"{path}: corrupt safetensors header: tensor {name} {what} (offset {begin - data_start})")
+        pos = end
+    if pos != size:
+        raise GkError(f"{path}: corrupt safetensors file: {size - pos} bytes after the last tensor")
+    return Header(path, size, data_start, tensors, dict(meta))
+
+
+class MappedFile:
+    """A read-only mapping of one file; tensor views share its memory (zero-copy)."""
+
+    def __init__(self, header: Header):
+        self.header = header
+        self._fd = os.open(header.path, os.O_RDONLY)
+        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if header.size else None
+
+    def array(self, info: TensorInfo) -> np.ndarray:
+        if info.nbytes == 0:
+            return np.empty(info.shape, dtype=info.dtype.numpy)
+        return np.frombuffer(self._mm, dtype=info.dtype.numpy, count=math.prod(info.shape),
+                             offset=info.offset).reshape(info.shape)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Drop the mapped pages of a byte range from this process (they stay in the page cache)."""
+        if not self._mm or nbytes <= 0:
+            return
+        page = mmap.PAGESIZE
+        start = offset // page * page
+        self._mm.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, self.header.size) - start)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # live views: the mapping goes when they do
+                pass
+        os.close(self._fd)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # gkbuild dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+def layout_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The header bytes and each tensor's data offset (relative to the data section).
+
+    Tensors are laid out by item size, largest first, so every tensor is aligned to its item size
+    (the header is padded to 8 bytes and safetensors forbids holes); ties keep the given order.
+    """
+    order = sorted(range(len(specs)), key=lambda i: -dtypes.dtype(specs[i].dtype).itemsize)
+    obj: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offsets: dict[str, int] = {}
+    pos = 0
+    for i in order:
+        s = specs[i]
+        st = dtypes.dtype(s.dtype).safetensors
+        if st is None:
+            raise GkError(f"tensor {s.name}: dtype {s.dtype} cannot be stored in safetensors")
+        obj[s.name] = {"dtype": st, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        offsets[s.name] = pos
+        pos += s.nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SafetensorsWriter:
+    """Write one safetensors file whose tensor list is known up front.
+
+    Bytes go to ``<path>.partial`` with positional writes (any order, any chunking, from several
+    threads); ``close()``
+    checks every byte was written, fsyncs and renames into place. ``abort()`` removes the
+    partial file. Use as a context manager: an exception aborts.
+    """
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".partial")
+        self.specs = {s.name: s for s in specs}
+        if len(self.specs) != len(specs):
+            raise GkError(f"{path}: duplicate tensor names")
+        header, rel = layout_header(specs, metadata)
+        self._base = len(header)
+        self._offsets = {k: self._base + v for k, v in rel.items()}
+        self._written = {k: 0 for k in self.specs}
+        self._lock = threading.Lock()
+        self.size = self._base + sum(s.nbytes for s in specs)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, self.size)
+        os.pwrite(self._fd, header, 0)
+
+    def write(self, name: str, data: np.ndarray, start: int = 0) -> None:
+        """Write ``data`` (the tensor's dtype, C order) at element offset ``start`` of ``name``."""
+        spec = self.specs[name]
+        dt = dtypes.dtype(spec.dtype).numpy
+        if data.dtype != dt:
+            raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")
+        buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        pos = self._offsets[name] + start * dt.itemsize
+        if pos + len(buf) > self._offsets[name] + spec.nbytes:
+            raise GkError(f"{self.path.name}: write past the end of tensor {name}")
+        while len(buf):
+            n = os.pwrite(self._fd, buf, pos)
+            buf, pos = buf[n:], pos + n
+        with self._lock:
+            self._written[name] += data.nbytes
+
+    def close(self) -> Path:
+        short = [k for k, s in self.specs.items() if self._written[k] != s.nbytes]
+        if short:
+            self.abort()
+            raise GkError(f"{self.path}: tensors not fully written: {short[:5]}")
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,102 @@
+"""Where a build's checkpoint comes from: ``hf://org/name@rev``, a local folder, or ``synth://PRESET``.
+
+``synth://PRESET?layers=N&seed=S`` is synthesized once into the gkbuild cache (``$GKBUILD_CACHE``,
+default ``~/.cache/gkbuild``) and reused: synthesis is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl, urlparse
+
+from ..errors import GkError
+from ..model import GptOssConfig, preset
+from ..progress import Advance
+
+SYNTH_KEYS = ("layers", "seed")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: str  # "hf" | "dir" | "synth"
+    uri: str  # as written (hf/synth) or the resolved folder (dir)
+    preset: str | None = None
+    layers: int | None = None
+    seed: int = 0
+
+    def describe(self) -> dict:
+        d = {"kind": self.kind, "uri": self.uri}
+        if self.kind == "synth":
+            d.update(preset=self.preset, layers=self.layers, seed=self.seed)
+        return d
+
+
+def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpec:
+    if not isinstance(text, str) or not text:
+        raise GkError(f"{key}: expected hf://ORG/NAME@REV, synth://PRESET?layers=N&seed=S or a folder")
+    if text.startswith("hf://"):
+        from .hub import parse as parse_hf
+
+        ref = parse_hf(text)
+        return SourceSpec("hf", ref.uri)
+    if text.startswith("synth://"):
+        u = urlparse(text)
+        name = u.netloc + u.path
+        cfg = preset(name)
+        q = dict(parse_qsl(u.query, keep_blank_values=True))
+        unknown = sorted(set(q) - set(SYNTH_KEYS))
+        if unknown:
+            raise GkError(f"{key}: unknown synth parameter(s) {unknown}; known: {', '.join(SYNTH_KEYS)}")
+        try:
+            layers = int(q.get("layers", cfg.L))
+            seed = int(q.get("seed", 0))
+        except ValueError:
+            raise GkError(f"{key}: synth layers and seed must be integers in {text!r}") from None
+        cfg.with_layers(layers)  # range check
+        return SourceSpec("synth", f"synth://{name}?layers={layers}&seed={seed}", name, layers, seed)
+    if "://" in text:
+        raise GkError(f"{key}: unknown source scheme in {text!r}; use hf://, synth:// or a folder path")
+    p = Path(text).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    return SourceSpec("dir", str(p.resolve()))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GKBUILD_CACHE", Path.home() / ".cache" / "gkbuild"))
+
+
+def synth_config(spec: SourceSpec) -> GptOssConfig:
+    return preset(spec.preset).with_layers(spec.layers)
+
+
+def model_config(spec: SourceSpec) -> GptOssConfig:
+    """The model config without reading any weights (hub: config.json only)."""
+    if spec.kind == "synth":
+        return synth_config(spec)
+    if spec.kind == "dir":
+        return GptOssConfig.from_file(Path(spec.uri) / "config.json")
+    from .hub import fetch_config
+
+    return GptOssConfig.from_file(fetch_config(spec.uri))
+
+
+def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
+    """The local checkpoint folder for a source (downloading or synthesizing as needed)."""
+    if spec.kind == "dir":
+        p = Path(spec.uri)
+        if not p.is_dir():
+            raise GkError(f"source {p}: folder not found")
+        return p
+    if spec.kind == "hf":
+        from .hub import resolve
+
+        return resolve(spec.uri)[1]
+    from .synth import SYNTH_VERSION, synthesize
+
+    out = cache_root() / "synth" / f"{spec.preset}-L{spec.layers}-s{spec.seed}-v{SYNTH_VERSION}"
+    if not (out / "config.json").exists():
+        synthesize(synth_config(spec), out, seed=spec.seed, force=True, advance=advance)
+    return out

@@ -1,0 +1,120 @@
+"""The ``gkbuild`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .errors import GkError
+from .progress import bar, note
+
+out = Console()
+
+
+def _parse_size(text: str) -> int:
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgb")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise GkError(f"--max-shard-size: {text!r} is not a size like 4GB or 512MB") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="gkbuild")
+def cli():
+    """Build GPT-OSS giga-kernel (fused decode) artifacts from an MXFP4 checkpoint.
+
+    \b
+    Typical flow:
+      gkbuild synth tiny --out ckpt          # a checkpoint in the exact hub layout
+      gkbuild inspect ckpt                   # what is in it
+    """
+
+
+@cli.command()
+@click.argument("preset")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder to write.")
+@click.option("--layers", type=int, default=None, help="Keep only the first N layers (default: all).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights are a pure function of the seed.")
+@click.option("--max-shard-size", default="4GB", show_default=True, help="Split weight files at this size.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
+    """Synthesize a checkpoint of PRESET in the exact hub MXFP4 layout.
+
+    PRESET is one of gpt-oss-120b, gpt-oss-20b, tiny, tiny-topology. The files (config.json,
+    model.safetensors.index.json, model-0000k-of-0000n.safetensors) load in transformers like the
+    real checkpoint. Writing streams: memory stays flat whatever the size.
+    """
+    from .checkpoint.synth import synthesize, total_bytes
+    from .model import preset as get_preset
+
+    cfg = get_preset(preset)
+    if layers is not None:
+        cfg = cfg.with_layers(layers)
+    with bar(f"synth {preset}", total_bytes(cfg), quiet) as advance:
+        synthesize(cfg, out_dir, seed=seed, max_shard_bytes=_parse_size(max_shard_size), force=force,
+                   advance=advance)
+    note(f"wrote {out_dir} ({preset}, {cfg.L} layers, seed {seed})", quiet)
+
+
+@cli.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--deep", is_flag=True, help="Also read every tensor: NaN MXFP4 scales, non-finite weights.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def inspect(path, as_json, deep, quiet):
+    """Summarize a checkpoint folder (headers only, unless --deep)."""
+    from .checkpoint.reader import Checkpoint
+    from .summary import checkpoint_summary, checkpoint_table
+
+    if not path.exists():
+        raise GkError(f"{path}: no such file or folder")
+    ck = Checkpoint.open(path)
+    if deep:
+        with bar("reading", sum(i.nbytes for i in ck.where.values()), quiet or as_json) as advance:
+            ck.deep_check(advance)
+    s = checkpoint_summary(ck)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+    else:
+        for t in checkpoint_table(s):
+            out.print(t)
+
+
+@cli.command("recipe-doc")
+def recipe_doc():
+    """Every recipe.yaml key with its default and meaning."""
+    from .recipe import schema_doc
+
+    t = Table(title="recipe.yaml keys", title_justify="left")
+    for c in ("key", "default / choices", "meaning"):
+        t.add_column(c)
+    for row in schema_doc():
+        t.add_row(*row)
+    out.print(t)
+
+
+def main(argv=None) -> None:
+    try:
+        cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
+    except GkError as e:
+        click.echo(f"gkbuild: error: {e}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("gkbuild: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("gkbuild: interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,313 @@
+"""``recipe.yaml``: what to build, from which checkpoint, for which machine and topology.
+
+The schema is the dataclasses below: each field's type, default, allowed values and doc line are
+declared once and drive loading, validation, typo suggestions and ``gkbuild recipe-doc``. A recipe
+is validated in two steps: on its own (``load``), then against the model it builds
+(``check_against``), before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import GkError
+from .model import FULL, SLIDING, GptOssConfig
+
+TARGETS = ("trn2", "trn3", "cpu", "cuda")
+NEURON_TARGETS = ("trn2", "trn3")
+# The nki-library revision whose c128_giga_kernel and gpt_oss_tail the neuron backend compiles.
+DEFAULT_NKI_LIBRARY = "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
+
+
+def _f(default, doc: str, choices: tuple | None = None, **kw):
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class Topology:
+    tp: int = _f(1, "tensor-parallel degree of attention (heads split over tp ranks)")
+    dp: int = _f(1, "data-parallel replicas of attention; world size = tp * dp")
+    ep: int = _f(1, "expert-parallel degree; the EP group spans every rank, so ep = tp * dp")
+    lnc: int = _f(1, "logical NeuronCore size; the GK decode is an LNC=1 kernel", (1,))
+    vtp: int = _f(1, "vocab-parallel degree of the sampling tail (lm_head split over vtp ranks)")
+    hops: list = _f([], "all-to-all hop sizes of the tail, multiplying to vtp (default: [vtp])")
+    a2a_batch_groups: int = _f(1, "split the tail exchange into this many batch groups (single hop only)")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass
+class KVCache:
+    dtype: str = _f("bf16", "KV element type", ("bf16", "fp8"))
+    packed: bool = _f(False, "packed FP8 K: [blocks, kv, block/2, d, 2] (two tokens per 16-bit lane)")
+    block_size: int = _f(128, "tokens per KV block")
+    num_blocks: typing.Optional[int] = _f(None, "blocks per buffer; or give hbm_per_rank_gib + memory_utilization")
+    hbm_per_rank_gib: typing.Optional[float] = _f(None, "device memory per rank, GiB (budget mode)")
+    memory_utilization: typing.Optional[float] = _f(None, "fraction of hbm_per_rank_gib usable (budget mode)")
+    k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale); folded into softmax_scale")
+    v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale); folded into W_out")
+
+
+@dataclass
+class Decode:
+    batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
+
+
+@dataclass
+class Tail:
+    k: int = _f(256, "top-k candidates the tail keeps")
+    emit_logits: bool = _f(True, "also return the fp32 pre-collective logits (debug/gating output)")
+
+
+@dataclass
+class Compile:
+    optimization_level: int = _f(2, "neuronx-cc optimization level", (1, 2, 3))
+    nki_library: str = _f(DEFAULT_NKI_LIBRARY, "nki-library revision providing the GK decode and tail kernels")
+
+
+@dataclass
+class Recipe:
+    source: str = _f(None, "checkpoint: hf://ORG/NAME@REV, synth://PRESET?layers=N&seed=S, or a folder")
+    target: str = _f(None, "machine the artifacts are for", TARGETS)
+    name: typing.Optional[str] = _f(None, "build name (default: the recipe file's stem)")
+    topology: Topology = _f(None, "ranks and meshes")
+    experts: str = _f("mxfp4", "expert weight format: MX tiles (fp4x4 in u16) or dequantized bf16", ("mxfp4", "bf16"))
+    kv_cache: KVCache = _f(None, "KV cache layout and budget")
+    decode: Decode = _f(None, "decode step shapes")
+    tail: Tail = _f(None, "sampling tail options")
+    compile: Compile = _f(None, "compiler options")
+    output: typing.Optional[str] = _f(None, "output folder (default: artifacts/<name>)")
+
+    # filled in by load()
+    path: typing.Optional[Path] = field(default=None, repr=False, compare=False)
+
+    @property
+    def fp8_format(self) -> str:
+        """trn2 takes IEEE-style e4m3 (max 240); trn3 and the portable targets OCP e4m3fn (max 448)."""
+        return "fp8_e4m3" if self.target == "trn2" else "fp8_e4m3fn"
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.fp8_format if self.kv_cache.dtype == "fp8" else "bf16"
+
+    @property
+    def hops(self) -> list[int]:
+        return list(self.topology.hops) or [self.topology.vtp]
+
+    @property
+    def backend(self) -> str:
+        return "neuron" if self.target in NEURON_TARGETS else "inductor"
+
+    def output_dir(self, cwd: Path | None = None) -> Path:
+        p = Path(self.output) if self.output else Path("artifacts") / self.name
+        return p if p.is_absolute() else (cwd or Path.cwd()) / p
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("path")
+        d["topology"]["hops"] = self.hops
+        return d
+
+    def digest(self) -> str:
+        """sha256 of the resolved recipe (what the build depends on; the output path excluded)."""
+        d = self.to_dict()
+        d.pop("output")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    # -- validation -----------------------------------------------------------------------------
+    def validate(self) -> "Recipe":
+        t, kv = self.topology, self.kv_cache
+        where = self.path or "recipe"
+
+        def bad(key: str, value, expected: str) -> typing.NoReturn:
+            raise GkError(f"{where}: {key}: {value!r} is not valid; {expected}")
+
+        for key, v in (("topology.tp", t.tp), ("topology.dp", t.dp), ("topology.ep", t.ep),
+                       ("topology.vtp", t.vtp), ("topology.a2a_batch_groups", t.a2a_batch_groups),
+                       ("kv_cache.block_size", kv.block_size), ("tail.k", self.tail.k)):
+            if v < 1:
+                bad(key, v, "expected a positive integer")
+        if t.ep != t.world:
+            bad("topology.ep", t.ep, f"the EP group spans every rank, so ep must be tp * dp = {t.world}")
+        if t.world % t.vtp:
+            bad("topology.vtp", t.vtp, f"expected a divisor of the world size {t.world}")
+        hops = self.hops
+        if any((not isinstance(h, int)) or h < 1 for h in hops):
+            bad("topology.hops", hops, "expected a list of positive integers")
+        if math.prod(hops) != t.vtp:
+            bad("topology.hops", hops, f"hop sizes must multiply to vtp = {t.vtp}")
+        if t.a2a_batch_groups > 1 and len(hops) > 1:
+            bad("topology.a2a_batch_groups", t.a2a_batch_groups, "batch groups need a single-hop tail")
+        if kv.packed and kv.dtype != "fp8":
+            bad("kv_cache.packed", kv.packed, "packed K is an FP8 layout; set kv_cache.dtype: fp8")
+        if kv.packed and kv.block_size % 2:
+            bad("kv_cache.block_size", kv.block_size, "packed K pairs tokens, so the block size must be even")
+        budget = (kv.hbm_per_rank_gib, kv.memory_utilization)
+        if kv.num_blocks is not None:
+            if kv.num_blocks < 1:
+                bad("kv_cache.num_blocks", kv.num_blocks, "expected a positive integer")
+            if any(b is not None for b in budget):
+                bad("kv_cache.num_blocks", kv.num_blocks,
+                    "give either num_blocks or hbm_per_rank_gib + memory_utilization, not both")
+        elif None in budget:
+            bad("kv_cache", "num_blocks missing", "give num_blocks, or hbm_per_rank_gib and memory_utilization")
+        else:
+            if kv.hbm_per_rank_gib <= 0:
+                bad("kv_cache.hbm_per_rank_gib", kv.hbm_per_rank_gib, "expected a positive size in GiB")
+            if not 0 < kv.memory_utilization <= 1:
+                bad("kv_cache.memory_utilization", kv.memory_utilization, "expected a fraction in (0, 1]")
+        if kv.k_scale <= 0 or kv.v_scale <= 0:
+            bad("kv_cache.k_scale/v_scale", (kv.k_scale, kv.v_scale), "scales must be positive")
+        bs = self.decode.batch_sizes
+        if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
+            bad("decode.batch_sizes", bs, "expected a non-empty list of positive integers")
+        for b in bs:
+            if b % t.world:
+                bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
+                                             f"(every rank holds at least one token)")
+            if (b // t.vtp) % t.a2a_batch_groups:
+                bad("decode.batch_sizes", b, f"rows per vocab rank ({b // t.vtp}) must be a multiple of "
+                                             f"a2a_batch_groups = {t.a2a_batch_groups}")
+        return self
+
+    def check_against(self, cfg: GptOssConfig) -> "Recipe":
+        """Reject a topology the model cannot be split into, naming the key and the valid values."""
+        t = self.topology
+        where = self.path or "recipe"
+
+        def divisors(n: int) -> str:
+            return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
+
+        if cfg.q_heads % t.tp:
+            raise GkError(f"{where}: topology.tp: {t.tp} does not divide the {cfg.q_heads} attention heads; "
+                          f"valid: {divisors(cfg.q_heads)}")
+        if cfg.kv_heads % t.tp and t.tp % cfg.kv_heads:
+            raise GkError(f"{where}: topology.tp: {t.tp} neither divides nor is a multiple of the "
+                          f"{cfg.kv_heads} KV heads")
+        if cfg.E % t.ep:
+            raise GkError(f"{where}: topology.ep: {t.ep} does not divide the {cfg.E} experts; "
+                          f"valid: {divisors(cfg.E)}")
+        if cfg.V % t.vtp:
+            raise GkError(f"{where}: topology.vtp: {t.vtp} does not divide the vocabulary of {cfg.V}")
+        if self.tail.k > cfg.V:
+            raise GkError(f"{where}: tail.k: {self.tail.k} exceeds the vocabulary of {cfg.V}")
+        want = tuple(SLIDING if i % 2 == 0 else FULL for i in range(cfg.L))
+        if cfg.layer_types != want:
+            raise GkError(f"{where}: source: the GK decode bakes even = sliding, odd = full attention layers; "
+                          f"this model's layer_types differ")
+        return self
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "path"}
+
+
+def _hint_base(hint):
+    """(base type, optional?) of a field annotation."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _coerce(value, hint, key: str, where, choices):
+    base, optional = _hint_base(hint)
+    if value is None:
+        if optional:
+            return None
+        raise GkError(f"{where}: {key}: a value is required")
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list),
+    }.get(base)
+    if not ok:
+        raise GkError(f"{where}: {key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+    if choices and value not in choices:
+        raise GkError(f"{where}: {key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    return float(value) if base is float else value
+
+
+def _build(cls, data, prefix: str, where):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise GkError(f"{where}: {prefix.rstrip('.') or 'recipe'}: expected a mapping, got {type(data).__name__}")
+    fields = _fields(cls)
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            full = f"{prefix}{key}"
+            hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
+            raise GkError(f"{where}: unknown key '{full}'{hint}; valid keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        hint = hints[name]
+        key = prefix + name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, data.get(name), key + ".", where)
+        elif name in data:
+            kwargs[name] = _coerce(data[name], hint, key, where, f.metadata.get("choices"))
+        elif f.default is None and f.default_factory is dataclasses.MISSING and not _hint_base(hint)[1]:
+            raise GkError(f"{where}: missing required key '{key}'")
+    return cls(**kwargs)
+
+
+def from_dict(data: dict, where="recipe", path: Path | None = None) -> Recipe:
+    r = _build(Recipe, data, "", where)
+    r.path = path
+    if r.name is None:
+        r.name = path.stem if path else "build"
+    return r.validate()
+
+
+def load(path: Path | str) -> Recipe:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise GkError(f"{path}: recipe not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise GkError(f"{path}: not valid YAML{at}") from None
+    return from_dict(data, where=path, path=path)
+
+
+def schema_doc() -> list[tuple[str, str, str]]:
+    """(key, default/choices, doc) rows for every recipe key: the README table and ``recipe-doc``."""
+    rows = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for name, f in _fields(cls).items():
+            if dataclasses.is_dataclass(hints[name]):
+                walk(hints[name], prefix + name + ".")
+                continue
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            ch = f.metadata.get("choices")
+            shown = " | ".join(map(str, ch)) if ch else ("(required)" if default is None and name in
+                                                           ("source", "target") else repr(default))
+            rows.append((prefix + name, shown, f.metadata["doc"]))
+
+    walk(Recipe, "")
+    return rows

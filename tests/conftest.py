@@ -1,0 +1,50 @@
+"""Shared fixtures: synthesized checkpoints (made once per session) and a CLI runner."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gkbuild.checkpoint.synth import synthesize
+from gkbuild.model import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The tiny preset, split over several files like a hub checkpoint."""
+    return synthesize(preset("tiny"), tmp_path_factory.mktemp("ck") / "tiny", seed=0, max_shard_bytes=8 << 20)
+
+
+@pytest.fixture(scope="session")
+def topo_ckpt(tmp_path_factory) -> Path:
+    return synthesize(preset("tiny-topology"), tmp_path_factory.mktemp("ck") / "topo", seed=0)
+
+
+@pytest.fixture
+def tiny_copy(tiny_ckpt, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint a test may damage."""
+    dst = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """synth:// sources land in a per-session cache, never in the user's."""
+    monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path_factory.getbasetemp() / "gkcache"))
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess (exit codes and stderr as a user sees them)."""
+    import os
+
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "gkbuild", *args], cwd=cwd, env=e, capture_output=True,
+                          text=True, timeout=600)
