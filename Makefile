@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gkbuild synth tiny --out artifacts/tiny-src
+	$(VENV)/bin/gkbuild synth tiny --out artifacts/tiny-src --force
 	$(VENV)/bin/gkbuild inspect artifacts/tiny-src
 
 test: $(STAMP)
