@@ -15,6 +15,8 @@ from .errors import GkError
 from .progress import bar, note
 
 out = Console()
+if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
+    out = Console(width=160)
 
 
 def _parse_size(text: str) -> int:
@@ -36,6 +38,7 @@ def cli():
     Typical flow:
       gkbuild synth tiny --out ckpt          # a checkpoint in the exact hub layout
       gkbuild inspect ckpt                   # what is in it
+      gkbuild plan recipes/tiny-cpu.yaml     # what a recipe builds, before reading weights
     """
 
 
@@ -87,6 +90,40 @@ def inspect(path, as_json, deep, quiet):
         click.echo(json.dumps(s, indent=2))
     else:
         for t in checkpoint_table(s):
+            out.print(t)
+
+
+def _set_option(f):
+    return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                        help="Override a recipe key, e.g. --set kv_cache.dtype=bf16 (repeatable).")(f)
+
+
+def _load_plan(recipe_path: Path, overrides, offline_preset: bool = False):
+    from .checkpoint.source import model_config, parse
+    from .plan import make_plan
+    from .recipe import load
+
+    r = load(recipe_path, overrides)
+    spec = parse(r.source, base=recipe_path.parent)
+    return make_plan(r, model_config(spec, offline_preset)), spec
+
+
+@cli.command()
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def plan(recipe_path, overrides, as_json):
+    """Show what RECIPE builds, reading no weights: every file kind with its tensors, shapes,
+    dtypes and bytes, how many ranks share each file, bytes per rank and on disk, the KV budget
+    and the DMA offset check. The model config comes from the source's config.json (hf:// fetches
+    only that file) or the preset (synth://)."""
+    from .summary import plan_tables
+
+    p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    if as_json:
+        click.echo(json.dumps(p.to_json(), indent=2))
+    else:
+        for t in plan_tables(p):
             out.print(t)
 
 

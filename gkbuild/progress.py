@@ -29,12 +29,12 @@ def bar(description: str, total: int, quiet: bool = False) -> Iterator[Advance]:
 
 def note(message: str, quiet: bool = False) -> None:
     if not quiet:
-        console.print(message, highlight=False)
+        console.print(message, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """Warnings are never silenced by --quiet."""
-    console.print(f"[bold yellow]warning:[/] {message}", highlight=False)
+    console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def is_tty() -> bool:

@@ -280,7 +280,27 @@ def from_dict(data: dict, where="recipe", path: Path | None = None) -> Recipe:
     return r.validate()
 
 
-def load(path: Path | str) -> Recipe:
+def apply_overrides(data: dict, overrides: list[str], where) -> dict:
+    """``key.path=value`` assignments (value parsed as YAML) on top of a recipe mapping."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GkError(f"{where}: --set {item!r}: expected KEY=VALUE, e.g. kv_cache.dtype=bf16")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise GkError(f"{where}: --set {key}: '{part}' is not a mapping")
+            node = nxt
+        try:
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise GkError(f"{where}: --set {item!r}: the value is not valid YAML") from None
+    return data
+
+
+def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -290,6 +310,10 @@ def load(path: Path | str) -> Recipe:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise GkError(f"{path}: not valid YAML{at}") from None
+    if overrides:
+        if not isinstance(data, dict):
+            raise GkError(f"{path}: recipe: expected a mapping")
+        data = apply_overrides(data, list(overrides), path)
     return from_dict(data, where=path, path=path)
 
 

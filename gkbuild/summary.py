@@ -69,3 +69,50 @@ def checkpoint_table(s: dict) -> list:
         out.append(f"[yellow]{len(s['extra_tensors'])} tensors not used by gkbuild:[/] "
                    + ", ".join(s["extra_tensors"][:8]))
     return out
+
+
+def plan_tables(plan) -> list:
+    """The plan as a user reads it: each file kind, what a rank loads, the KV budget."""
+    j = plan.to_json()
+    t = plan.recipe.topology
+    out = []
+    head = Table(title=f"plan {plan.recipe.name}: {plan.recipe.target}, {plan.world} ranks "
+                       f"(TP{t.tp} x DP{t.dp} x EP{t.ep}, LNC {t.lnc}, VTP {t.vtp})", title_justify="left")
+    for c in ("file kind", "files", "ranks a file", "tensor", "shape", "dtype", "bytes"):
+        head.add_column(c, justify="right" if c in ("files", "ranks a file", "bytes") else "left")
+    for role, e in j["files"].items():
+        first = True
+        for name, ts in e["tensors"].items():
+            nbytes = next(s.nbytes for f in plan.files if f.role == role for s in f.tensors if s.name == name)
+            head.add_row(role if first else "", str(e["files"]) if first else "",
+                         str(e["ranks_per_file"]) if first else "", name, str(ts["shape"]), ts["dtype"],
+                         human_bytes(nbytes))
+            first = False
+        head.add_section()
+    out.append(head)
+    kv = j["kv"]
+    facts = Table(show_header=False, title="per rank", title_justify="left")
+    facts.add_column(style="bold")
+    facts.add_column()
+    dma = kv["dma"]
+    budget = kv["budget"]
+    rows = [
+        ("weights per rank", human_bytes(j["bytes_per_rank"])),
+        ("weights on disk (deduplicated)", human_bytes(j["disk_bytes"])),
+        ("KV buffers", f"{kv['groups']} x {kv['buffer_shape']} {kv['dtype']}"
+                       + (f", K packed {kv['k_packed_shape']}" if kv["packed"] else "")),
+        ("KV bytes per rank", f"{kv['bytes_per_rank']:,} ({human_bytes(kv['bytes_per_rank'])})"),
+        ("KV budget", f"{kv['num_blocks']} blocks ({budget['mode']}"
+                      + (f": {human_bytes(budget['usable_bytes'])} usable - {human_bytes(budget['weight_bytes'])}"
+                         f" weights)" if budget["mode"] == "hbm" else ")")),
+        ("DMA offset check", f"{'ok' if dma['fits'] else 'OVER'}: a buffer half spans "
+                             f"{human_bytes(dma['half_span_bytes'])} < 4 GiB; at most "
+                             f"{dma['max_num_blocks_per_buffer']:,} blocks per buffer (a single stacked "
+                             f"tensor would allow {dma['max_num_blocks_single_stacked_tensor']:,})"),
+        ("tail", f"vocab {j['tail']['vocab_per_rank']} a rank, hops {j['tail']['hops']}, k {j['tail']['k']}"),
+        ("softmax_scale", f"{j['scalars']['softmax_scale']:.6g}"),
+    ]
+    for k, v in rows:
+        facts.add_row(k, v)
+    out.append(facts)
+    return out

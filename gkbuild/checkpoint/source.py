@@ -16,6 +16,8 @@ from ..model import GptOssConfig, preset
 from ..progress import Advance
 
 SYNTH_KEYS = ("layers", "seed")
+# Hub repos whose config a preset reproduces: planning can proceed offline from the preset.
+KNOWN_REPOS = {"openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt-oss-20b"}
 
 
 @dataclass(frozen=True)
@@ -72,15 +74,28 @@ def synth_config(spec: SourceSpec) -> GptOssConfig:
     return preset(spec.preset).with_layers(spec.layers)
 
 
-def model_config(spec: SourceSpec) -> GptOssConfig:
-    """The model config without reading any weights (hub: config.json only)."""
+def model_config(spec: SourceSpec, offline_preset: bool = False) -> GptOssConfig:
+    """The model config without reading any weights (hub: config.json only).
+
+    With ``offline_preset``, a known openai repo whose config cannot be fetched falls back to the
+    matching preset, with a warning (planning needs shapes, not weights).
+    """
     if spec.kind == "synth":
         return synth_config(spec)
     if spec.kind == "dir":
         return GptOssConfig.from_file(Path(spec.uri) / "config.json")
-    from .hub import fetch_config
+    from .hub import fetch_config, parse as parse_hf
 
-    return GptOssConfig.from_file(fetch_config(spec.uri))
+    try:
+        return GptOssConfig.from_file(fetch_config(spec.uri))
+    except GkError as e:
+        name = KNOWN_REPOS.get(parse_hf(spec.uri).repo)
+        if not (offline_preset and name):
+            raise
+        from ..progress import warn
+
+        warn(f"{e}; planning with the built-in {name} config instead")
+        return preset(name)
 
 
 def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:

@@ -1,0 +1,83 @@
+"""Attention weights per TP rank: fused, transposed QKV; the O projection's rows; the sinks.
+
+TP rank t holds q heads [t*q_l, (t+1)*q_l) and the kv heads they attend with (``Dims.kv_heads_of``;
+replicated when tp exceeds the kv heads). Hidden axes are in kernel lane order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import hidden
+from .dims import Dims
+
+
+def _rows(w: np.ndarray, heads: list[int], d: int) -> np.ndarray:
+    return np.concatenate([w[h * d:(h + 1) * d] for h in heads], axis=0)
+
+
+def qkv(dims: Dims, t: int, q_w, k_w, v_w, q_b, k_b, v_b) -> tuple[np.ndarray, np.ndarray]:
+    """HF q/k/v projections -> (W_qkv [Hp, (q_l+2kv_l)*d], bias_qkv [1, (q_l+2kv_l)*d]) for TP rank t."""
+    qh, kh = dims.q_heads_of(t), dims.kv_heads_of(t)
+    w = np.concatenate([_rows(q_w, qh, dims.d), _rows(k_w, kh, dims.d), _rows(v_w, kh, dims.d)])
+    b = np.concatenate([_rows(q_b, qh, dims.d), _rows(k_b, kh, dims.d), _rows(v_b, kh, dims.d)])
+    return np.ascontiguousarray(hidden.to_kernel(w, 1, dims.Hp).T), b[None, :]
+
+
+def qkv_inverse(dims: Dims, shards: list[tuple[np.ndarray, np.ndarray]]):
+    """All TP ranks' (W_qkv, bias_qkv) -> HF (q_w, k_w, v_w, q_b, k_b, v_b).
+
+    A replicated kv head is taken from the first rank that holds it; the copies must agree.
+    """
+    d = dims.d
+    q_w = [None] * dims.q
+    q_b = [None] * dims.q
+    k_w, k_b, v_w, v_b = ([None] * dims.kv for _ in range(4))
+    for t, (W, B) in enumerate(shards):
+        w = hidden.from_kernel(W.T, 1, dims.H)
+        b = B[0]
+        qh, kh = dims.q_heads_of(t), dims.kv_heads_of(t)
+        for i, h in enumerate(qh):
+            q_w[h], q_b[h] = w[i * d:(i + 1) * d], b[i * d:(i + 1) * d]
+        off = len(qh) * d
+        for kind_w, kind_b, base in ((k_w, k_b, off), (v_w, v_b, off + len(kh) * d)):
+            for i, h in enumerate(kh):
+                rw, rb = w[base + i * d:base + (i + 1) * d], b[base + i * d:base + (i + 1) * d]
+                if kind_w[h] is None:
+                    kind_w[h], kind_b[h] = rw, rb
+                elif not (np.array_equal(kind_w[h].view(np.uint16), rw.view(np.uint16))
+                          and np.array_equal(kind_b[h].view(np.uint16), rb.view(np.uint16))):
+                    raise ValueError(f"replicas of kv head {h} differ between TP ranks")
+    cat = np.concatenate
+    return cat(q_w), cat(k_w), cat(v_w), cat(q_b), cat(k_b), cat(v_b)
+
+
+def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarray:
+    """HF o_proj [H, q*d] -> W_out [q_l*d, Hp] for TP rank t, the FP8 V dequant scale folded in."""
+    cols = o_w[:, t * dims.q_l * dims.d:(t + 1) * dims.q_l * dims.d]
+    w = np.ascontiguousarray(hidden.to_kernel(cols, 0, dims.Hp).T)
+    if v_scale != 1.0:
+        w = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
+    return w
+
+
+def w_out_inverse(dims: Dims, shards: list[np.ndarray], v_scale: float = 1.0) -> np.ndarray:
+    """All TP ranks' W_out -> HF o_proj [H, q*d] (exact when v_scale is a power of two)."""
+    w = np.concatenate(shards, axis=0)
+    if v_scale != 1.0:
+        w = (w.astype(np.float32) / np.float32(v_scale)).astype(w.dtype)
+    return np.ascontiguousarray(hidden.from_kernel(w.T, 0, dims.H))
+
+
+def sink(dims: Dims, t: int, sinks: np.ndarray) -> np.ndarray:
+    """HF sinks [q] -> [q_l, 1] for TP rank t."""
+    return np.ascontiguousarray(sinks[t * dims.q_l:(t + 1) * dims.q_l, None])
+
+
+def sink_inverse(shards: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([s[:, 0] for s in shards])
+
+
+def softmax_scale(d: int, k_scale: float = 1.0) -> float:
+    """1/sqrt(d) with the FP8 K dequant scale folded in (the kernel reads raw FP8 K)."""
+    return float(np.float32(d ** -0.5) * np.float32(k_scale))

@@ -1,0 +1,114 @@
+"""MXFP4 experts in the nki-library MoE TKG tiles (CONTRACT.md 2a), one layer, E_L local experts.
+
+Indices, with the HF axes first zero-padded at their ends (hidden H -> Hp, intermediate I -> Ip;
+the interleaved 2I axis gets 2(Ip - I) zero rows), P_I = min(128, Ip/4):
+
+- pi(j) = 512*(j // 512) + 4*(j mod P_I) + (j mod 512) // P_I: kernel intermediate column j holds
+  HF intermediate index pi(j) (the gate_up output tile [P_I, Ip/512, 4] read back in HF order).
+- U[e, row, c]: the little-endian u16 of bytes 2c, 2c+1 of an HF blocks row; nibble n is element
+  4c + n, so packing four fp4 into a u16 is a plain 2-byte copy.
+- gate_up weight [E_L, 128, 2, Hp/512, Ip] u16: W[e,p,g,ht,j] = U_gu[e, 2*pi(j)+g, 128*ht+p]
+- gate_up scale  [E_L, 16, 2, Hp/512, Ip] u8:  S[e,s,g,ht,j] = scales_gu[e, 2*pi(j)+g, 16*ht+s]
+- gate_up bias   [E_L, P_I, 2, Ip/512, 4] fp32: B[e,m,g,it,w] = bias[e, 2i+g] (+1 on up, i < I),
+  i = 512*it + 4*m + w
+- down weight    [E_L, P_I, Ip/512, Hp] u16: W[e,p,it,x] = U_dn[e, sigma(x), 128*it+p]
+- down scale     [E_L, P_I/8, Ip/512, Hp] u8: S[e,s,it,x] = scales_dn[e, sigma(x), 16*it+s]
+- down bias      [E_L, Hp] fp32: bias_dn[e, sigma(x)]
+
+With +1 folded into the up bias the clamps become gate <= limit, up in [-limit+1, limit+1].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import hidden
+from .dims import MX_TILE, P_MAX, Dims
+
+UP_BIAS_SHIFT = 1.0
+
+
+def pi(Ip: int, P_I: int) -> np.ndarray:
+    """pi[j]: the HF intermediate index kernel column j holds."""
+    j = np.arange(Ip)
+    return MX_TILE * (j // MX_TILE) + 4 * (j % P_I) + (j % MX_TILE) // P_I
+
+
+def _u16(blocks: np.ndarray) -> np.ndarray:
+    """[..., rows, G, 16] u8 -> [..., rows, G*8] u16 (bytes 2c, 2c+1, little-endian)."""
+    b = blocks.reshape(blocks.shape[:-2] + (-1,))
+    return b[..., 0::2].astype(np.uint16) | (b[..., 1::2].astype(np.uint16) << 8)
+
+
+def _u8(u: np.ndarray, groups: int) -> np.ndarray:
+    """Inverse of :func:`_u16`."""
+    b = np.empty(u.shape[:-1] + (u.shape[-1] * 2,), np.uint8)
+    b[..., 0::2] = u & 0xFF
+    b[..., 1::2] = u >> 8
+    return b.reshape(u.shape[:-1] + (groups, 16))
+
+
+def _pad_gate_up(dims: Dims, a: np.ndarray) -> np.ndarray:
+    """Pad the interleaved [.., 2I, ...] axis (axis 1) to 2Ip."""
+    return hidden.pad(a, 1, 2 * dims.Ip)
+
+
+def gate_up(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
+    """HF gate_up_proj_{blocks [E_L,2I,H/32,16], scales [E_L,2I,H/32], bias [E_L,2I]} -> (W, S, B)."""
+    E_L = blocks.shape[0]
+    order = pi(dims.Ip, dims.P_I)
+    nht = dims.Hp // MX_TILE
+    u = _u16(hidden.pad(_pad_gate_up(dims, blocks), 2, dims.Hp // 32))  # [E_L, 2Ip, Hp/4]
+    u = u.reshape(E_L, dims.Ip, 2, dims.Hp // 4)[:, order]  # [E_L, j, g, c]
+    W = u.reshape(E_L, dims.Ip, 2, nht, P_MAX).transpose(0, 4, 2, 3, 1)
+    s = hidden.pad(_pad_gate_up(dims, scales), 2, dims.Hp // 32)
+    s = s.reshape(E_L, dims.Ip, 2, dims.Hp // 32)[:, order]
+    S = s.reshape(E_L, dims.Ip, 2, nht, 16).transpose(0, 4, 2, 3, 1)
+    b = _pad_gate_up(dims, bias).astype(np.float32).reshape(E_L, dims.Ip, 2)
+    b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
+    B = b.reshape(E_L, dims.Ip // MX_TILE, dims.P_I, 4, 2).transpose(0, 2, 4, 1, 3)
+    return np.ascontiguousarray(W), np.ascontiguousarray(S), np.ascontiguousarray(B)
+
+
+def gate_up_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_dtype):
+    """(W, S, B) -> HF (blocks, scales, bias), checking the padding is zero."""
+    E_L = W.shape[0]
+    inv = np.argsort(pi(dims.Ip, dims.P_I))
+    u = W.transpose(0, 4, 2, 3, 1).reshape(E_L, dims.Ip, 2, dims.Hp // 4)[:, inv]
+    blocks = _u8(u.reshape(E_L, 2 * dims.Ip, dims.Hp // 4), dims.Hp // 32)
+    s = S.transpose(0, 4, 2, 3, 1).reshape(E_L, dims.Ip, 2, dims.Hp // 32)[:, inv]
+    scales = s.reshape(E_L, 2 * dims.Ip, dims.Hp // 32)
+    b = B.transpose(0, 3, 1, 4, 2).reshape(E_L, dims.Ip, 2).copy()
+    b[:, :dims.I, 1] -= np.float32(UP_BIAS_SHIFT)
+    bias = b.reshape(E_L, 2 * dims.Ip)
+    strip = lambda a, axis, n: hidden.unpad(a, axis, n)  # noqa: E731
+    blocks = strip(strip(blocks, 1, 2 * dims.I), 2, dims.H // 32)
+    scales = strip(strip(scales, 1, 2 * dims.I), 2, dims.H // 32)
+    return blocks, scales, strip(bias, 1, 2 * dims.I).astype(bias_dtype)
+
+
+def down(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
+    """HF down_proj_{blocks [E_L,H,I/32,16], scales [E_L,H,I/32], bias [E_L,H]} -> (W, S, B)."""
+    E_L = blocks.shape[0]
+    nit = dims.Ip // MX_TILE
+    u = _u16(hidden.to_kernel(hidden.pad(blocks, 2, dims.Ip // 32), 1, dims.Hp))  # [E_L, x, Ip/4]
+    W = u.reshape(E_L, dims.Hp, nit, dims.P_I).transpose(0, 3, 2, 1)
+    s = hidden.to_kernel(hidden.pad(scales, 2, dims.Ip // 32), 1, dims.Hp)  # [E_L, x, Ip/32]
+    S = s.reshape(E_L, dims.Hp, nit, dims.P_I // 8).transpose(0, 3, 2, 1)
+    B = hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+    return np.ascontiguousarray(W), np.ascontiguousarray(S), np.ascontiguousarray(B)
+
+
+def down_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_dtype):
+    E_L = W.shape[0]
+    u = W.transpose(0, 3, 2, 1).reshape(E_L, dims.Hp, dims.Ip // 4)
+    blocks = hidden.unpad(hidden.from_kernel(_u8(u, dims.Ip // 32), 1, dims.H), 2, dims.I // 32)
+    s = S.transpose(0, 3, 2, 1).reshape(E_L, dims.Hp, dims.Ip // 32)
+    scales = hidden.unpad(hidden.from_kernel(s, 1, dims.H), 2, dims.I // 32)
+    return blocks, scales, hidden.from_kernel(B, 1, dims.H).astype(bias_dtype)
+
+
+def clamps(limit: float) -> dict[str, float]:
+    """The kernel's clamp scalars once +1 is folded into the up bias."""
+    return {"gate_clamp_upper_limit": limit, "up_clamp_upper_limit": limit + UP_BIAS_SHIFT,
+            "up_clamp_lower_limit": -limit + UP_BIAS_SHIFT}

@@ -1,0 +1,60 @@
+"""The hidden axis in kernel order: padded to Hp with interleaved zero lanes.
+
+Kernel lane x holds padded-HF hidden index sigma(x) = 4*(x mod Hp/4) + x // (Hp/4): the padded
+axis viewed [Hp/4, 4] is transposed to [4, Hp/4], so each of the 4 lane groups ends in
+(Hp - H)/4 zero lanes (the tail kernel's ``zero_interleaved_pad``). Every hidden-axis tensor uses
+this order, so the residual stream is in it end to end; RMSNorm divides by the real H.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sigma(Hp: int) -> np.ndarray:
+    """sigma[x]: the padded-HF hidden index kernel lane x holds."""
+    x = np.arange(Hp)
+    return 4 * (x % (Hp // 4)) + x // (Hp // 4)
+
+
+def pad_lanes(H: int, Hp: int) -> np.ndarray:
+    """Boolean mask of kernel lanes that are padding."""
+    return sigma(Hp) >= H
+
+
+def pad(x: np.ndarray, axis: int, n: int) -> np.ndarray:
+    """Append zeros along ``axis`` up to length ``n`` (a no-op view when already that long)."""
+    have = x.shape[axis]
+    if have == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - have)
+    return np.pad(x, widths)
+
+
+def unpad(x: np.ndarray, axis: int, n: int, strict: bool = True) -> np.ndarray:
+    """Inverse of :func:`pad`; ``strict`` checks the dropped entries are all-zero bytes."""
+    axis %= x.ndim
+    idx = [slice(None)] * x.ndim
+    idx[axis] = slice(n, None)
+    if strict and np.any(np.ascontiguousarray(x[tuple(idx)]).view(np.uint8)):
+        raise ValueError(f"padding along axis {axis} is not zero")
+    idx[axis] = slice(0, n)
+    return x[tuple(idx)]
+
+
+def to_kernel(x: np.ndarray, axis: int, Hp: int) -> np.ndarray:
+    """HF hidden order (length H) -> kernel lanes (length Hp)."""
+    axis %= x.ndim
+    p = pad(x, axis, Hp)
+    shape = p.shape[:axis] + (Hp // 4, 4) + p.shape[axis + 1:]
+    return np.ascontiguousarray(np.swapaxes(p.reshape(shape), axis, axis + 1)).reshape(p.shape)
+
+
+def from_kernel(x: np.ndarray, axis: int, H: int, strict: bool = True) -> np.ndarray:
+    """Inverse of :func:`to_kernel`."""
+    axis %= x.ndim
+    Hp = x.shape[axis]
+    shape = x.shape[:axis] + (4, Hp // 4) + x.shape[axis + 1:]
+    p = np.ascontiguousarray(np.swapaxes(x.reshape(shape), axis, axis + 1)).reshape(x.shape)
+    return unpad(p, axis, H, strict)

@@ -1,0 +1,53 @@
+"""Tensors every rank holds whole: norms, the O-projection bias, the router, embedding, final norm."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import hidden
+from .dims import Dims
+
+
+def row(dims: Dims, v: np.ndarray) -> np.ndarray:
+    """A hidden-sized vector (norm weight, o_proj bias) -> [1, Hp] in kernel lanes, same dtype."""
+    return hidden.to_kernel(v, 0, dims.Hp)[None, :]
+
+
+def row_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
+    return hidden.from_kernel(r[0], 0, dims.H)
+
+
+def router_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
+    """HF router [E, H] bf16 -> [Hp, E] fp16 (exact for |w| in fp16's normal range)."""
+    return np.ascontiguousarray(hidden.to_kernel(w, 1, dims.Hp).T.astype(np.float16))
+
+
+def router_weights_inverse(dims: Dims, r: np.ndarray, dtype) -> np.ndarray:
+    return np.ascontiguousarray(hidden.from_kernel(r.T, 1, dims.H)).astype(dtype)
+
+
+def router_bias(b: np.ndarray) -> np.ndarray:
+    """HF router bias [E] -> [1, E] fp16."""
+    return b.astype(np.float16)[None, :]
+
+
+def router_bias_inverse(r: np.ndarray, dtype) -> np.ndarray:
+    return r[0].astype(dtype)
+
+
+def embedding(dims: Dims, w: np.ndarray) -> np.ndarray:
+    """HF embed_tokens [V, H] -> [V, Hp]: an embedded token comes out in kernel lanes."""
+    return hidden.to_kernel(w, 1, dims.Hp)
+
+
+def embedding_inverse(dims: Dims, e: np.ndarray) -> np.ndarray:
+    return hidden.from_kernel(e, 1, dims.H)
+
+
+def gamma(dims: Dims, norm: np.ndarray) -> np.ndarray:
+    """The final norm [H] bf16 -> the tail's gamma [1, Hp] fp32 (exact)."""
+    return row(dims, norm.astype(np.float32))
+
+
+def gamma_inverse(dims: Dims, g: np.ndarray, dtype) -> np.ndarray:
+    return row_inverse(dims, g).astype(dtype)

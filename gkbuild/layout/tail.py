@@ -1,0 +1,81 @@
+"""The sampling tail: the lm_head split over the vocabulary, and who owns which rows after the
+all-to-all (semantics of nki-library's ``compose_hops`` / ``owned_row_block`` / ``owned_rows``).
+
+Hops: hop i groups ranks that differ only in mixed-radix digit i of the rank (digit 0 least
+significant, stride prod(hops[:i])); e.g. (8, 16) is 8 contiguous ranks, then 16 at stride 8. Each
+hop splits the rows a rank holds into hops[i] chunks and sends chunk k to the group member with
+digit k, so after all hops rank r owns gbs/vtp rows starting at sum_i digit_i * gbs/prod(hops[:i+1]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import hidden
+from .dims import Dims
+
+
+def lm_head_t(dims: Dims, v: int, w: np.ndarray) -> np.ndarray:
+    """HF lm_head [V, H] (or just its rows of vocab rank v) -> lm_head_weight_t [Hp, V_s], C-contiguous."""
+    rows = w[v * dims.V_s:(v + 1) * dims.V_s] if w.shape[0] == dims.V else w
+    return np.ascontiguousarray(hidden.to_kernel(rows, 1, dims.Hp).T)
+
+
+def lm_head_t_inverse(dims: Dims, shards: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([hidden.from_kernel(np.ascontiguousarray(s.T), 1, dims.H) for s in shards])
+
+
+def _check(vtp: int, hops) -> tuple[int, ...]:
+    hops = tuple(int(h) for h in (hops or (vtp,)))
+    if math.prod(hops) != vtp or any(h < 1 for h in hops):
+        raise ValueError(f"hops {hops} do not multiply to vtp {vtp}")
+    return hops
+
+
+def digits(rank: int, hops) -> list[int]:
+    out, stride = [], 1
+    for h in hops:
+        out.append((rank // stride) % h)
+        stride *= h
+    return out
+
+
+def compose_hops(vtp: int, hops) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """One replica-group mesh per hop; each group lists its ranks in digit order."""
+    hops = _check(vtp, hops)
+    meshes, stride = [], 1
+    for h in hops:
+        bases = [r for r in range(vtp) if (r // stride) % h == 0]
+        meshes.append(tuple(tuple(b + k * stride for k in range(h)) for b in bases))
+        stride *= h
+    return tuple(meshes)
+
+
+def owned_row_block(rank: int, vtp: int, gbs: int, hops=None) -> tuple[int, int]:
+    """(row_start, n_rows) of the batch rows ``rank`` owns after the all-to-all."""
+    hops = _check(vtp, hops)
+    if gbs % vtp:
+        raise ValueError(f"batch {gbs} is not a multiple of vtp {vtp}")
+    start, span = 0, gbs
+    for d, h in zip(digits(rank, hops), hops):
+        span //= h
+        start += d * span
+    return start, gbs // vtp
+
+
+def owned_rows(rank: int, vtp: int, gbs: int, hops=None, batch_groups: int = 1) -> list[int]:
+    """The global rows ``rank`` owns, in receive order; with G batch groups (single hop) the
+    exchange runs once per group of gbs/G rows, so the rank owns a strided set."""
+    hops = _check(vtp, hops)
+    if batch_groups == 1:
+        start, n = owned_row_block(rank, vtp, gbs, hops)
+        return list(range(start, start + n))
+    if len(hops) != 1:
+        raise ValueError("batch groups need a single-hop exchange")
+    per_rank = gbs // vtp
+    if gbs % vtp or per_rank % batch_groups:
+        raise ValueError(f"rows per rank {per_rank} must be a multiple of batch_groups {batch_groups}")
+    group_rows, n = gbs // batch_groups, per_rank // batch_groups
+    return [g * group_rows + rank * n + k for g in range(batch_groups) for k in range(n)]
