@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gkbuild synth tiny --out artifacts/tiny-src --force
-	$(VENV)/bin/gkbuild inspect artifacts/tiny-src
+	$(VENV)/bin/gkbuild compile recipes/tiny-cpu.yaml
+	$(VENV)/bin/gkbuild inspect artifacts/tiny-cpu
 
 test: $(STAMP)
 	$(PY) -m pytest -q

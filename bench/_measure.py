@@ -8,15 +8,47 @@ import time
 
 
 def run(cmd: list[str], **kw) -> tuple[float, int]:
-    """(seconds, peak RSS bytes). ``sync`` before, so no earlier dirty pages are flushed on our clock."""
+    """(seconds, peak RSS bytes of the largest process in the tree). ``sync`` before, so no earlier
+    dirty pages are flushed on our clock."""
+    return run_tree(cmd, **kw)[:2]
+
+
+def run_tree(cmd: list[str], **kw) -> tuple[float, int, int]:
+    """(seconds, peak RSS of the largest process, peak RSS of the whole tree summed, sampled
+    every 50 ms)."""
+    import threading
+
+    import psutil
+
     os.sync()
     t = time.perf_counter()
     p = subprocess.Popen(cmd, **kw)
+    peak_tree = 0
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak_tree
+        try:
+            proc = psutil.Process(p.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not stop.is_set():
+            try:
+                procs = [proc] + proc.children(recursive=True)
+                peak_tree = max(peak_tree, sum(q.memory_info().rss for q in procs))
+            except psutil.NoSuchProcess:
+                pass
+            stop.wait(0.05)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
+    stop.set()
+    th.join()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{cmd} failed ({status})")
-    return wall, usage.ru_maxrss * 1024
+    return wall, usage.ru_maxrss * 1024, peak_tree
 
 
 def cp_then_sync(src: str, dst: str) -> tuple[float, int]:

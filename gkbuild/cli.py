@@ -39,6 +39,8 @@ def cli():
       gkbuild synth tiny --out ckpt          # a checkpoint in the exact hub layout
       gkbuild inspect ckpt                   # what is in it
       gkbuild plan recipes/tiny-cpu.yaml     # what a recipe builds, before reading weights
+      gkbuild compile recipes/tiny-cpu.yaml  # build it into artifacts/tiny-cpu
+      gkbuild check artifacts/tiny-cpu       # every byte against the manifest
     """
 
 
@@ -72,15 +74,26 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
 @cli.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@click.option("--deep", is_flag=True, help="Also read every tensor: NaN MXFP4 scales, non-finite weights.")
+@click.option("--deep", is_flag=True, help="Checkpoints: also read every tensor (NaN scales, non-finite weights).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def inspect(path, as_json, deep, quiet):
-    """Summarize a checkpoint folder (headers only, unless --deep)."""
+    """Summarize PATH: a build folder (manifest.json), or a checkpoint folder (headers only,
+    unless --deep)."""
     from .checkpoint.reader import Checkpoint
-    from .summary import checkpoint_summary, checkpoint_table
+    from .summary import build_tables, checkpoint_summary, checkpoint_table
 
     if not path.exists():
         raise GkError(f"{path}: no such file or folder")
+    if (path / "manifest.json").exists():
+        from .build.check import summary
+
+        s = summary(path)
+        if as_json:
+            click.echo(json.dumps(s, indent=2))
+        else:
+            for t in build_tables(s):
+                out.print(t)
+        return
     ck = Checkpoint.open(path)
     if deep:
         with bar("reading", sum(i.nbytes for i in ck.where.values()), quiet or as_json) as advance:
@@ -125,6 +138,73 @@ def plan(recipe_path, overrides, as_json):
     else:
         for t in plan_tables(p):
             out.print(t)
+
+
+@cli.command("compile")
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Build folder (default: the recipe's output, artifacts/<name>).")
+@click.option("--jobs", "-j", type=int, default=None, help="Parallel worker processes (default: the core count).")
+@click.option("--force", is_flag=True, help="Rebuild every stage, ignoring the cache.")
+@_set_option
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
+def compile_cmd(recipe_path, out_dir, jobs, force, overrides, quiet, as_json):
+    """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
+    and tail layout metadata, and the manifest.
+
+    Stages whose inputs are unchanged are skipped (an unchanged recipe does no work); shards are
+    written under temporary names and renamed when complete, so an interrupted build resumes
+    where it stopped.
+    """
+    from .build.pipeline import compile_build
+    from .recipe import load
+
+    if jobs is not None and jobs < 1:
+        raise GkError(f"--jobs: {jobs} is not a positive number of processes")
+    r = load(recipe_path, overrides)
+    res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(res.summary(), indent=2))
+    elif not quiet:
+        _print_build(res)
+
+
+def _print_build(res) -> None:
+    from .summary import human_bytes
+
+    s = res.summary()
+    t = Table(title=f"build {s['name']} -> {s['build']}", title_justify="left")
+    for c in ("stage", "status", "seconds", "detail"):
+        t.add_column(c, justify="right" if c == "seconds" else "left")
+    colors = {"ran": "green", "cached": "dim", "pending": "yellow", "skipped": "yellow"}
+    for st in s["stages"]:
+        t.add_row(st["name"], f"[{colors.get(st['status'], 'white')}]{st['status']}[/]", f"{st['seconds']:.2f}",
+                  st["detail"])
+    out.print(t)
+    work = (f"{s['shards_written']} shards written ({human_bytes(s['bytes_written'])})"
+            if s["did_work"] else "nothing to do: every stage is up to date")
+    out.print(f"{work}; {s['files']} files, {human_bytes(s['bytes'])}, {s['ranks']} ranks; "
+              f"build {s['build_id'][:16]} in {s['seconds']:.2f} s")
+
+
+@cli.command()
+@click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def check(build_dir, quiet):
+    """Re-hash every file of BUILD against its manifest; report each mismatched, missing or
+    extra file, one per line. Exits 1 if any."""
+    from .build import manifest as mf
+    from .build.check import problems
+
+    m = mf.load(build_dir)
+    with bar("check", sum(f["size"] for f in m["files"]), quiet) as advance:
+        found = problems(build_dir, advance)
+    for p in found:
+        click.echo(p)
+    if found:
+        raise GkError(f"{build_dir}: {len(found)} problem(s) against the manifest")
+    note(f"ok: {len(m['files'])} files match the manifest (build {m['build_id'][:16]})", quiet)
 
 
 @cli.command("recipe-doc")

@@ -3,28 +3,54 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.progress import (BarColumn, DownloadColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.progress import Progress as _Rich
 
 console = Console(stderr=True)
 Advance = Callable[[int], None]
 
 
+class Progress:
+    """Named byte-count tasks, one bar each; a no-op when quiet or stderr is not a terminal."""
+
+    def __init__(self, quiet: bool = False):
+        self.enabled = not quiet and console.is_terminal
+        self._rich = _Rich(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                           DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                           console=console) if self.enabled else None
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "Progress":
+        if self._rich:
+            self._rich.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._rich:
+            self._rich.stop()
+
+    def task(self, name: str, description: str, total: int) -> None:
+        if self._rich and name not in self._tasks:
+            self._tasks[name] = self._rich.add_task(description, total=total or None)
+
+    def advance(self, name: str, n: int) -> None:
+        if self._rich and name in self._tasks:
+            self._rich.advance(self._tasks[name], n)
+
+    def advancer(self, name: str) -> Advance:
+        return lambda n: self.advance(name, n)
+
+
 @contextlib.contextmanager
 def bar(description: str, total: int, quiet: bool = False) -> Iterator[Advance]:
-    """Yield ``advance(nbytes)``; draws a bar unless quiet or stderr is not a terminal."""
-    if quiet or not console.is_terminal:
-        yield lambda n: None
-        return
-    cols = [TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn()]
-    with Progress(*cols, console=console, transient=False) as p:
-        task = p.add_task(description, total=total)
-        yield lambda n: p.advance(task, n)
+    """One bar; yields ``advance(nbytes)``."""
+    with Progress(quiet) as p:
+        p.task("main", description, total)
+        yield p.advancer("main")
 
 
 def note(message: str, quiet: bool = False) -> None:
@@ -35,7 +61,3 @@ def note(message: str, quiet: bool = False) -> None:
 def warn(message: str) -> None:
     """Warnings are never silenced by --quiet."""
     console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
-
-
-def is_tty() -> bool:
-    return sys.stderr.isatty()

@@ -116,3 +116,37 @@ def plan_tables(plan) -> list:
         facts.add_row(k, v)
     out.append(facts)
     return out
+
+
+def build_tables(s: dict) -> list:
+    head = Table(title=f"build {s['path']}", show_header=False, title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    t = s["topology"]
+    kv = s["kv"]
+    rows = [
+        ("name / build id", f"{s['name']} / {s['build_id'][:16]}"),
+        ("target", s["target"]),
+        ("ranks", f"{s['ranks']} (TP{t['tp']} x DP{t['dp']} x EP{t['ep']}, LNC {t['lnc']}, VTP {t['vtp']} "
+                  f"hops {t['hops']})"),
+        ("source", s["source"].get("uri", "")),
+        ("files", f"{s['files']} ({human_bytes(s['bytes'])} on disk)"),
+        ("per rank", human_bytes(s["bytes_per_rank"])),
+        ("KV", f"{kv['groups']} x {kv['buffer_shape']} {kv['dtype']}{' packed K' if kv['packed'] else ''}, "
+               f"{kv['num_blocks']} blocks, {human_bytes(kv['bytes_per_rank'])} a rank"),
+        ("tail", f"vocab {s['tail']['vocab_per_rank']} a rank, k {s['tail']['k']}"),
+        ("compile", f"{s['compile']['status']} ({s['compile']['artifacts']} artifacts)"),
+    ]
+    for k, v in rows:
+        head.add_row(k, v)
+    roles = Table(title="files by role", title_justify="left")
+    for c in ("role", "files", "bytes"):
+        roles.add_column(c, justify="left" if c == "role" else "right")
+    for role, e in s["by_role"].items():
+        roles.add_row(role, str(e["files"]), human_bytes(e["bytes"]))
+    stages = Table(title="stages", title_justify="left")
+    stages.add_column("stage")
+    stages.add_column("cache")
+    for st in s["stages"]:
+        stages.add_row(st["name"], "[green]up to date[/]" if st["cached"] else "[yellow]stale or unknown[/]")
+    return [head, roles, stages]

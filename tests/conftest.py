@@ -35,10 +35,19 @@ def tiny_copy(tiny_ckpt, tmp_path) -> Path:
     return dst
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    """synth:// sources land in a per-session cache, never in the user's."""
-    monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path_factory.getbasetemp() / "gkcache"))
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """synth:// sources and fingerprints land in a per-session cache, never in the user's
+    (session-wide, so module fixtures that build see the same cache as the tests)."""
+    import os
+
+    old = os.environ.get("GKBUILD_CACHE")
+    os.environ["GKBUILD_CACHE"] = str(tmp_path_factory.getbasetemp() / "gkcache")
+    yield
+    if old is None:
+        os.environ.pop("GKBUILD_CACHE", None)
+    else:
+        os.environ["GKBUILD_CACHE"] = old
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

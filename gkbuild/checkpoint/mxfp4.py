@@ -21,8 +21,9 @@ SCALE_NAN = 255
 
 def check_scales(scales: np.ndarray, where: str) -> None:
     """E8M0 255 is NaN: no real checkpoint has one, so it means corruption."""
-    bad = np.flatnonzero(np.asarray(scales).reshape(-1) == SCALE_NAN)
-    if bad.size:
+    flat = np.asarray(scales).reshape(-1)
+    if flat.size and flat.max() == SCALE_NAN:  # one vectorized pass; locate only on failure
+        bad = np.flatnonzero(flat == SCALE_NAN)
         raise GkError(f"{where}: {bad.size} MXFP4 scale byte(s) are 255 (NaN in E8M0), "
                       f"first at flat index {int(bad[0])}")
 

@@ -39,7 +39,7 @@ class Checkpoint:
         if not root.is_dir():
             raise GkError(f"{root}: not a checkpoint folder")
         config = GptOssConfig.from_file(root / "config.json")
-        files = _weight_files(root)
+        files = weight_files(root)
         headers = {f: read_header(root / f) for f in files}
         where: dict[str, TensorInfo] = {}
         for f, h in headers.items():
@@ -85,24 +85,30 @@ class Checkpoint:
             self._maps[key] = MappedFile(self.headers[key])
         return self._maps[key]
 
-    def read(self, name: str, index: int | None = None) -> np.ndarray:
-        """A read-only zero-copy view of tensor ``name`` (or of its ``index``-th leading slice).
+    def read(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """A read-only zero-copy view of tensor ``name`` (or of its leading slice [lo, hi)).
 
-        MXFP4 scales are checked as they are read: a 255 byte names the file and tensor.
+        MXFP4 scales are checked as they are read (only the slice asked for): a 255 byte names
+        the file and tensor.
         """
         info = self.info(name)
         arr = self._map(info).array(info)
-        if index is not None:
-            arr = arr[index]
+        if lo is not None:
+            arr = arr[lo:hi]
         if name.endswith("_scales"):
-            where = f"{info.file}: tensor {name}" + (f"[{index}]" if index is not None else "")
+            where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             check_scales(arr, where)
         return arr
 
-    def release(self, name: str) -> None:
-        """Drop tensor ``name``'s mapped pages from this process's memory."""
+    def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:
+        """Drop tensor ``name``'s mapped pages (or those of its leading slice [lo, hi)) from this
+        process's memory; they stay in the page cache."""
         info = self.info(name)
-        self._map(info).release(info.offset, info.nbytes)
+        if lo is None:
+            self._map(info).release(info.offset, info.nbytes)
+            return
+        row = info.nbytes // max(info.shape[0], 1)
+        self._map(info).release(info.offset + lo * row, (hi - lo) * row)
 
     def deep_check(self, advance=lambda n: None) -> None:
         """Read every byte once (file order, pages released as it goes): NaN scales, non-finite floats."""
@@ -123,14 +129,6 @@ class Checkpoint:
         self._maps.clear()
 
     # -- facts ----------------------------------------------------------------------------------
-    @property
-    def files(self) -> list[Path]:
-        """Every file the checkpoint consists of (config, index if any, weights)."""
-        out = [self.root / "config.json"]
-        if (self.root / INDEX).exists():
-            out.append(self.root / INDEX)
-        return out + [h.path for h in self.headers.values()]
-
     def bytes_by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, info in self.where.items():
@@ -153,7 +151,7 @@ def _read_index(root: Path) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in wm.items()}
 
 
-def _weight_files(root: Path) -> list[str]:
+def weight_files(root: Path) -> list[str]:
     index = _read_index(root)
     if index is not None:
         files = sorted(set(index.values()))

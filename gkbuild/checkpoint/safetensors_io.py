@@ -9,6 +9,7 @@ under their final name only when complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
@@ -103,12 +104,17 @@ def read_header(path: Path) -> Header:
 
 
 class MappedFile:
-    """A read-only mapping of one file; tensor views share its memory (zero-copy)."""
+    """A mapping of one file; tensor views share its memory (zero-copy).
 
-    def __init__(self, header: Header):
+    Read-only by default; ``private`` maps copy-on-write, so the views are writable arrays (torch
+    wants those) while the file is never modified and unwritten pages stay shared.
+    """
+
+    def __init__(self, header: Header, private: bool = False):
         self.header = header
         self._fd = os.open(header.path, os.O_RDONLY)
-        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if header.size else None
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_READ
+        self._mm = mmap.mmap(self._fd, 0, access=access) if header.size else None
 
     def array(self, info: TensorInfo) -> np.ndarray:
         if info.nbytes == 0:
@@ -116,13 +122,19 @@ class MappedFile:
         return np.frombuffer(self._mm, dtype=info.dtype.numpy, count=math.prod(info.shape),
                              offset=info.offset).reshape(info.shape)
 
+    # A page fault maps neighbouring cached pages too (fault-around, 64 KiB by default), so a
+    # release reaches this far past both ends of the range it was asked for.
+    FAULT_AROUND = 1 << 20
+
     def release(self, offset: int, nbytes: int) -> None:
-        """Drop the mapped pages of a byte range from this process (they stay in the page cache)."""
+        """Drop the mapped pages of a byte range (and the fault-around margin) from this process;
+        they stay in the page cache."""
         if not self._mm or nbytes <= 0:
             return
         page = mmap.PAGESIZE
-        start = offset // page * page
-        self._mm.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, self.header.size) - start)
+        start = max(0, offset - self.FAULT_AROUND) // page * page
+        end = min(offset + nbytes + self.FAULT_AROUND, self.header.size)
+        self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         if self._mm is not None:
@@ -167,6 +179,20 @@ def layout_header(specs: list[TensorSpec], metadata: dict[str, str] | None = Non
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
+def syncfs(path: Path) -> None:
+    """Flush every dirty page of the filesystem holding ``path`` (one call for many files)."""
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL("libc.so.6", use_errno=True).syncfs(fd) != 0:
+            os.sync()
+    except OSError:
+        os.sync()
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -178,55 +204,92 @@ def fsync_dir(path: Path) -> None:
 class SafetensorsWriter:
     """Write one safetensors file whose tensor list is known up front.
 
-    Bytes go to ``<path>.partial`` with positional writes (any order, any chunking, from several
+    Two ways to fill it: ``write`` (positional: any order, any chunking, from several threads) or
+    ``append`` (tensors in file order, ``order``): appended bytes are hashed as they go, so a
+    file written only by appends has its ``sha256`` without being read back.
+
+    Bytes go to ``<path>.<pid>.<thread>.partial`` with positional writes (any order, any chunking, from several
     threads); ``close()``
-    checks every byte was written, fsyncs and renames into place. ``abort()`` removes the
-    partial file. Use as a context manager: an exception aborts.
+    checks every byte was written, fsyncs and renames into place (``durable=False`` leaves the
+    fsync to a caller that syncs the whole filesystem before it relies on the file). ``abort()``
+    removes the partial file. Use as a context manager: an exception aborts.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
+                 durable: bool = True):
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".partial")
+        self.durable = durable
+        # unique per writer: two writers of the same file never share a temporary
+        self.tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.partial")
         self.specs = {s.name: s for s in specs}
         if len(self.specs) != len(specs):
             raise GkError(f"{path}: duplicate tensor names")
         header, rel = layout_header(specs, metadata)
         self._base = len(header)
         self._offsets = {k: self._base + v for k, v in rel.items()}
+        self.order = sorted(self.specs, key=lambda k: rel[k])
         self._written = {k: 0 for k in self.specs}
         self._lock = threading.Lock()
+        self._hash = hashlib.sha256(header)
+        self._cursor = self._base  # next byte an append writes
+        self.sha256: str | None = None
         self.size = self._base + sum(s.nbytes for s in specs)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)
         os.pwrite(self._fd, header, 0)
 
+    def append(self, name: str, data: np.ndarray) -> None:
+        """Write the next bytes of the file, which must belong to tensor ``name``."""
+        if self._hash is None:
+            raise GkError(f"{self.path.name}: append after positional writes")
+        spec = self.specs[name]
+        start = self._cursor - self._offsets[name]
+        if not 0 <= start < spec.nbytes:
+            raise GkError(f"{self.path.name}: tensor {name} appended out of file order")
+        buf = self._bytes(name, data)
+        self._hash.update(buf)
+        self._put(name, buf, self._cursor)
+        self._cursor += len(buf)
+
     def write(self, name: str, data: np.ndarray, start: int = 0) -> None:
         """Write ``data`` (the tensor's dtype, C order) at element offset ``start`` of ``name``."""
+        self._hash = None  # positional writes: no running hash
+        buf = self._bytes(name, data)
+        self._put(name, buf, self._offsets[name] + start * dtypes.dtype(self.specs[name].dtype).itemsize)
+
+    def _bytes(self, name: str, data: np.ndarray) -> memoryview:
         spec = self.specs[name]
         dt = dtypes.dtype(spec.dtype).numpy
         if data.dtype != dt:
             raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")
-        buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-        pos = self._offsets[name] + start * dt.itemsize
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+    def _put(self, name: str, buf: memoryview, pos: int) -> None:
+        spec = self.specs[name]
         if pos + len(buf) > self._offsets[name] + spec.nbytes:
             raise GkError(f"{self.path.name}: write past the end of tensor {name}")
+        nbytes = len(buf)
         while len(buf):
             n = os.pwrite(self._fd, buf, pos)
             buf, pos = buf[n:], pos + n
         with self._lock:
-            self._written[name] += data.nbytes
+            self._written[name] += nbytes
 
     def close(self) -> Path:
         short = [k for k, s in self.specs.items() if self._written[k] != s.nbytes]
         if short:
             self.abort()
             raise GkError(f"{self.path}: tensors not fully written: {short[:5]}")
-        os.fsync(self._fd)
+        if self._hash is not None:
+            self.sha256 = self._hash.hexdigest()
+        if self.durable:
+            os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
         os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        if self.durable:
+            fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:

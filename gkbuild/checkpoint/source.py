@@ -98,6 +98,13 @@ def model_config(spec: SourceSpec, offline_preset: bool = False) -> GptOssConfig
         return preset(name)
 
 
+def synth_cache_dir(spec: SourceSpec) -> Path:
+    """Where a synth:// source lives once synthesized (keyed by everything its bytes depend on)."""
+    from .synth import SYNTH_VERSION
+
+    return cache_root() / "synth" / f"{spec.preset}-L{spec.layers}-s{spec.seed}-v{SYNTH_VERSION}"
+
+
 def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
     """The local checkpoint folder for a source (downloading or synthesizing as needed)."""
     if spec.kind == "dir":
@@ -109,9 +116,9 @@ def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
         from .hub import resolve
 
         return resolve(spec.uri)[1]
-    from .synth import SYNTH_VERSION, synthesize
+    from .synth import synthesize
 
-    out = cache_root() / "synth" / f"{spec.preset}-L{spec.layers}-s{spec.seed}-v{SYNTH_VERSION}"
+    out = synth_cache_dir(spec)
     if not (out / "config.json").exists():
         synthesize(synth_config(spec), out, seed=spec.seed, force=True, advance=advance)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import hidden
+from . import arrays, hidden
 from .dims import Dims
 
 
@@ -21,7 +21,7 @@ def qkv(dims: Dims, t: int, q_w, k_w, v_w, q_b, k_b, v_b) -> tuple[np.ndarray, n
     qh, kh = dims.q_heads_of(t), dims.kv_heads_of(t)
     w = np.concatenate([_rows(q_w, qh, dims.d), _rows(k_w, kh, dims.d), _rows(v_w, kh, dims.d)])
     b = np.concatenate([_rows(q_b, qh, dims.d), _rows(k_b, kh, dims.d), _rows(v_b, kh, dims.d)])
-    return np.ascontiguousarray(hidden.to_kernel(w, 1, dims.Hp).T), b[None, :]
+    return hidden.to_kernel(arrays.transpose(w), 0, dims.Hp), b[None, :]
 
 
 def qkv_inverse(dims: Dims, shards: list[tuple[np.ndarray, np.ndarray]]):
@@ -55,7 +55,7 @@ def qkv_inverse(dims: Dims, shards: list[tuple[np.ndarray, np.ndarray]]):
 def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarray:
     """HF o_proj [H, q*d] -> W_out [q_l*d, Hp] for TP rank t, the FP8 V dequant scale folded in."""
     cols = o_w[:, t * dims.q_l * dims.d:(t + 1) * dims.q_l * dims.d]
-    w = np.ascontiguousarray(hidden.to_kernel(cols, 0, dims.Hp).T)
+    w = arrays.transpose(hidden.to_kernel(cols, 0, dims.Hp))
     if v_scale != 1.0:
         w = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
     return w

@@ -15,21 +15,31 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from . import hidden
+from . import arrays, hidden
 from .dims import Dims
 from .experts_mx import UP_BIAS_SHIFT
 
 BF16 = ml_dtypes.bfloat16
 
 
-def gate_up(dims: Dims, w: np.ndarray, bias: np.ndarray):
-    """Dequantized HF gate_up [E_L, 2I, H] (float) + bias [E_L, 2I] -> (W, B)."""
+def gate_up_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
+    """Dequantized HF gate_up [E_L, 2I, H] (float) -> [E_L, Hp, 2, Ip] bf16."""
     E_L = w.shape[0]
     p = hidden.to_kernel(hidden.pad(w.astype(BF16), 1, 2 * dims.Ip), 2, dims.Hp)  # [E_L, 2Ip, x]
-    W = p.reshape(E_L, dims.Ip, 2, dims.Hp).transpose(0, 3, 2, 1)
+    return np.ascontiguousarray(p.reshape(E_L, dims.Ip, 2, dims.Hp).transpose(0, 3, 2, 1))
+
+
+def gate_up_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
+    """HF gate_up bias [E_L, 2I] -> [E_L, 2, Ip] fp32, +1 folded into up."""
+    E_L = bias.shape[0]
     b = hidden.pad(bias.astype(np.float32), 1, 2 * dims.Ip).reshape(E_L, dims.Ip, 2).copy()
     b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
-    return np.ascontiguousarray(W), np.ascontiguousarray(b.transpose(0, 2, 1))
+    return np.ascontiguousarray(b.transpose(0, 2, 1))
+
+
+def gate_up(dims: Dims, w: np.ndarray, bias: np.ndarray):
+    """Dequantized HF gate_up [E_L, 2I, H] (float) + bias [E_L, 2I] -> (W, B)."""
+    return gate_up_weights(dims, w), gate_up_bias(dims, bias)
 
 
 def gate_up_inverse(dims: Dims, W: np.ndarray, B: np.ndarray, bias_dtype):
@@ -41,11 +51,19 @@ def gate_up_inverse(dims: Dims, W: np.ndarray, B: np.ndarray, bias_dtype):
     return w, hidden.unpad(b.reshape(E_L, 2 * dims.Ip), 1, 2 * dims.I).astype(bias_dtype)
 
 
+def down_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
+    """Dequantized HF down [E_L, H, I] (float) -> [E_L, Ip, Hp] bf16."""
+    return arrays.transpose(hidden.to_kernel(hidden.pad(w.astype(BF16), 2, dims.Ip), 1, dims.Hp))
+
+
+def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
+    """HF down bias [E_L, H] -> [E_L, Hp] fp32 in kernel lanes."""
+    return hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+
+
 def down(dims: Dims, w: np.ndarray, bias: np.ndarray):
     """Dequantized HF down [E_L, H, I] (float) + bias [E_L, H] -> (D, B)."""
-    p = hidden.to_kernel(hidden.pad(w.astype(BF16), 2, dims.Ip), 1, dims.Hp)  # [E_L, x, Ip]
-    return (np.ascontiguousarray(p.transpose(0, 2, 1)),
-            hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp))
+    return down_weights(dims, w), down_bias(dims, bias)
 
 
 def down_inverse(dims: Dims, D: np.ndarray, B: np.ndarray, bias_dtype):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import hidden
+from . import arrays, hidden
 from .dims import MX_TILE, P_MAX, Dims
 
 UP_BIAS_SHIFT = 1.0
@@ -35,17 +35,14 @@ def pi(Ip: int, P_I: int) -> np.ndarray:
 
 
 def _u16(blocks: np.ndarray) -> np.ndarray:
-    """[..., rows, G, 16] u8 -> [..., rows, G*8] u16 (bytes 2c, 2c+1, little-endian)."""
-    b = blocks.reshape(blocks.shape[:-2] + (-1,))
-    return b[..., 0::2].astype(np.uint16) | (b[..., 1::2].astype(np.uint16) << 8)
+    """[..., rows, G, 16] u8 -> [..., rows, G*8] u16: bytes 2c, 2c+1 little-endian (a free view)."""
+    b = np.ascontiguousarray(blocks)
+    return b.reshape(b.shape[:-2] + (-1,)).view(np.uint16)
 
 
 def _u8(u: np.ndarray, groups: int) -> np.ndarray:
     """Inverse of :func:`_u16`."""
-    b = np.empty(u.shape[:-1] + (u.shape[-1] * 2,), np.uint8)
-    b[..., 0::2] = u & 0xFF
-    b[..., 1::2] = u >> 8
-    return b.reshape(u.shape[:-1] + (groups, 16))
+    return np.ascontiguousarray(u).view(np.uint8).reshape(u.shape[:-1] + (groups, 16))
 
 
 def _pad_gate_up(dims: Dims, a: np.ndarray) -> np.ndarray:
@@ -53,21 +50,44 @@ def _pad_gate_up(dims: Dims, a: np.ndarray) -> np.ndarray:
     return hidden.pad(a, 1, 2 * dims.Ip)
 
 
-def gate_up(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
-    """HF gate_up_proj_{blocks [E_L,2I,H/32,16], scales [E_L,2I,H/32], bias [E_L,2I]} -> (W, S, B)."""
-    E_L = blocks.shape[0]
-    order = pi(dims.Ip, dims.P_I)
-    nht = dims.Hp // MX_TILE
-    u = _u16(hidden.pad(_pad_gate_up(dims, blocks), 2, dims.Hp // 32))  # [E_L, 2Ip, Hp/4]
-    u = u.reshape(E_L, dims.Ip, 2, dims.Hp // 4)[:, order]  # [E_L, j, g, c]
-    W = u.reshape(E_L, dims.Ip, 2, nht, P_MAX).transpose(0, 4, 2, 3, 1)
-    s = hidden.pad(_pad_gate_up(dims, scales), 2, dims.Hp // 32)
-    s = s.reshape(E_L, dims.Ip, 2, dims.Hp // 32)[:, order]
-    S = s.reshape(E_L, dims.Ip, 2, nht, 16).transpose(0, 4, 2, 3, 1)
+def _padded(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """[E_L, r, c] zero-padded at the end of both axes to [E_L, rows, cols]."""
+    if a.shape[1:] == (rows, cols):
+        return a
+    out = np.zeros((a.shape[0], rows, cols), a.dtype)
+    out[:, :a.shape[1], :a.shape[2]] = a
+    return out
+
+
+def _tiles(dims: Dims, a: np.ndarray, inner: int) -> np.ndarray:
+    """Padded gate_up rows [E_L, 2Ip, nht*inner] (row = 2i+g, i = 512*it + 4*m + w) ->
+    [E_L, inner, 2, nht, Ip] with column j = 512*it + P_I*w + m: pi is the (m, w) swap."""
+    E_L, nht, nit = a.shape[0], dims.Hp // MX_TILE, dims.Ip // MX_TILE
+    s = arrays.permute(a, (E_L, nit, dims.P_I, 4, 2, nht, inner), (0, 4, 5, 1, 3, 2, 6))
+    return arrays.transpose(s.reshape(E_L, 2 * nht * dims.Ip, inner)).reshape(E_L, inner, 2, nht, dims.Ip)
+
+
+def gate_up_weights(dims: Dims, blocks: np.ndarray) -> np.ndarray:
+    """HF gate_up_proj_blocks [E_L, 2I, H/32, 16] -> [E_L, 128, 2, Hp/512, Ip] u16."""
+    return _tiles(dims, _padded(_u16(blocks), 2 * dims.Ip, dims.Hp // 4), P_MAX)
+
+
+def gate_up_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
+    """HF gate_up_proj_scales [E_L, 2I, H/32] -> [E_L, 16, 2, Hp/512, Ip] u8."""
+    return _tiles(dims, _padded(np.asarray(scales), 2 * dims.Ip, dims.Hp // 32), 16)
+
+
+def gate_up_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
+    """HF gate_up_proj_bias [E_L, 2I] -> [E_L, P_I, 2, Ip/512, 4] fp32, +1 folded into up."""
+    E_L = bias.shape[0]
     b = _pad_gate_up(dims, bias).astype(np.float32).reshape(E_L, dims.Ip, 2)
     b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
-    B = b.reshape(E_L, dims.Ip // MX_TILE, dims.P_I, 4, 2).transpose(0, 2, 4, 1, 3)
-    return np.ascontiguousarray(W), np.ascontiguousarray(S), np.ascontiguousarray(B)
+    return np.ascontiguousarray(b.reshape(E_L, dims.Ip // MX_TILE, dims.P_I, 4, 2).transpose(0, 2, 4, 1, 3))
+
+
+def gate_up(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
+    """HF gate_up_proj_{blocks, scales, bias} -> (W, S, B); undone by :func:`gate_up_inverse`."""
+    return gate_up_weights(dims, blocks), gate_up_scales(dims, scales), gate_up_bias(dims, bias)
 
 
 def gate_up_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_dtype):
@@ -87,16 +107,32 @@ def gate_up_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bia
     return blocks, scales, strip(bias, 1, 2 * dims.I).astype(bias_dtype)
 
 
+def _down_tiles(dims: Dims, a: np.ndarray, inner: int) -> np.ndarray:
+    """Padded down rows [E_L, Hp (HF order), nit*inner] -> [E_L, inner, nit, Hp (kernel lanes)]."""
+    E_L, nit = a.shape[0], dims.Ip // MX_TILE
+    lanes = arrays.permute(a, (E_L, dims.Hp // 4, 4, nit * inner), (0, 2, 1, 3))  # row x has HF sigma(x)
+    t = arrays.transpose(lanes.reshape(E_L, dims.Hp, nit * inner))  # [E_L, (it, p), x]
+    return arrays.permute(t, (E_L, nit, inner, dims.Hp), (0, 2, 1, 3))
+
+
+def down_weights(dims: Dims, blocks: np.ndarray) -> np.ndarray:
+    """HF down_proj_blocks [E_L, H, I/32, 16] -> [E_L, P_I, Ip/512, Hp] u16."""
+    return _down_tiles(dims, _padded(_u16(blocks), dims.Hp, dims.Ip // 4), dims.P_I)
+
+
+def down_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
+    """HF down_proj_scales [E_L, H, I/32] -> [E_L, P_I/8, Ip/512, Hp] u8."""
+    return _down_tiles(dims, _padded(np.asarray(scales), dims.Hp, dims.Ip // 32), dims.P_I // 8)
+
+
+def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
+    """HF down_proj_bias [E_L, H] -> [E_L, Hp] fp32 in kernel lanes."""
+    return hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+
+
 def down(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
-    """HF down_proj_{blocks [E_L,H,I/32,16], scales [E_L,H,I/32], bias [E_L,H]} -> (W, S, B)."""
-    E_L = blocks.shape[0]
-    nit = dims.Ip // MX_TILE
-    u = _u16(hidden.to_kernel(hidden.pad(blocks, 2, dims.Ip // 32), 1, dims.Hp))  # [E_L, x, Ip/4]
-    W = u.reshape(E_L, dims.Hp, nit, dims.P_I).transpose(0, 3, 2, 1)
-    s = hidden.to_kernel(hidden.pad(scales, 2, dims.Ip // 32), 1, dims.Hp)  # [E_L, x, Ip/32]
-    S = s.reshape(E_L, dims.Hp, nit, dims.P_I // 8).transpose(0, 3, 2, 1)
-    B = hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
-    return np.ascontiguousarray(W), np.ascontiguousarray(S), np.ascontiguousarray(B)
+    """HF down_proj_{blocks, scales, bias} -> (W, S, B); undone by :func:`down_inverse`."""
+    return down_weights(dims, blocks), down_scales(dims, scales), down_bias(dims, bias)
 
 
 def down_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_dtype):

@@ -44,11 +44,22 @@ def unpad(x: np.ndarray, axis: int, n: int, strict: bool = True) -> np.ndarray:
 
 
 def to_kernel(x: np.ndarray, axis: int, Hp: int) -> np.ndarray:
-    """HF hidden order (length H) -> kernel lanes (length Hp)."""
+    """HF hidden order (length H) -> kernel lanes (length Hp), C-contiguous.
+
+    One pass: the zero-padded output is allocated as [.., 4, Hp/4, ..] and each lane group is
+    filled from its stride-4 column of the input.
+    """
     axis %= x.ndim
-    p = pad(x, axis, Hp)
-    shape = p.shape[:axis] + (Hp // 4, 4) + p.shape[axis + 1:]
-    return np.ascontiguousarray(np.swapaxes(p.reshape(shape), axis, axis + 1)).reshape(p.shape)
+    H = x.shape[axis]
+    if H % 4 or Hp % 4 or Hp < H:
+        raise ValueError(f"cannot lay hidden {H} out in {Hp} lanes")
+    before, after = x.shape[:axis], x.shape[axis + 1:]
+    out = np.zeros(before + (4, Hp // 4) + after, x.dtype)
+    src = x.reshape(before + (H // 4, 4) + after)
+    lead = (slice(None),) * axis
+    for g in range(4):
+        out[lead + (g, slice(0, H // 4))] = src[lead + (slice(None), g)]
+    return out.reshape(before + (Hp,) + after)
 
 
 def from_kernel(x: np.ndarray, axis: int, H: int, strict: bool = True) -> np.ndarray:

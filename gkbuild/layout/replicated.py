@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import hidden
+from . import arrays, hidden
 from .dims import Dims
 
 
@@ -19,7 +19,7 @@ def row_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
 
 def router_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
     """HF router [E, H] bf16 -> [Hp, E] fp16 (exact for |w| in fp16's normal range)."""
-    return np.ascontiguousarray(hidden.to_kernel(w, 1, dims.Hp).T.astype(np.float16))
+    return hidden.to_kernel(arrays.transpose(w), 0, dims.Hp).astype(np.float16)
 
 
 def router_weights_inverse(dims: Dims, r: np.ndarray, dtype) -> np.ndarray:

@@ -158,7 +158,7 @@ def test_nan_scale_is_named_when_read(tiny_copy):
         fh.seek(info.offset + 12345)
         fh.write(b"\xff")
     ck = Checkpoint.open(tiny_copy)  # headers are fine
-    ck.read(SCALES, index=1)  # another expert's slice is clean
+    ck.read(SCALES, 1, 2)  # another expert's slice is clean
     with pytest.raises(GkError, match=rf"{f.name}: tensor {SCALES}.*255 \(NaN in E8M0\)"):
         ck.read(SCALES)
     r = run_cli("inspect", "--deep", str(tiny_copy))

@@ -1,0 +1,1 @@
+"""The build: stages, their cache, shard emission, the manifest."""

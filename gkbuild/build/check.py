@@ -1,0 +1,61 @@
+"""``gkbuild check``: every file re-hashed against the manifest; and a build's summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import manifest as mf
+from .fingerprint import sha256_file
+from .state import STATE_DIR, State
+
+
+def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
+    """One line per mismatched, missing or extra file (empty: the build is intact)."""
+    build_dir = Path(build_dir)
+    m = mf.load(build_dir)
+    out = []
+    listed = set()
+    for f in m["files"]:
+        listed.add(f["path"])
+        p = build_dir / f["path"]
+        if not p.is_file():
+            out.append(f"missing: {f['path']}")
+            continue
+        size = p.stat().st_size
+        if size != f["size"]:
+            out.append(f"size mismatch: {f['path']} is {size} bytes, manifest says {f['size']}")
+            continue
+        digest = sha256_file(p, advance)
+        if digest != f["sha256"]:
+            out.append(f"sha256 mismatch: {f['path']} is {digest}, manifest says {f['sha256']}")
+    for p in sorted(build_dir.rglob("*")):
+        rel = p.relative_to(build_dir).as_posix()
+        if p.is_dir() or rel == mf.NAME or rel.split("/")[0] == STATE_DIR:
+            continue
+        if rel not in listed:
+            out.append(f"extra: {rel} is not in the manifest")
+    return out
+
+
+def summary(build_dir: Path) -> dict:
+    m = mf.load(build_dir)
+    state = State(build_dir)
+    recorded = {s["name"]: s["key"] for s in m["stages"]}
+    by_role: dict[str, dict] = {}
+    for f in m["files"]:
+        e = by_role.setdefault(f["role"], {"files": 0, "bytes": 0})
+        e["files"] += 1
+        e["bytes"] += f["size"]
+    r0 = m["ranks"][0]
+    sizes = {f["path"]: f["size"] for f in m["files"]}
+    return {
+        "kind": "build", "path": str(build_dir), "name": m["name"], "build_id": m["build_id"],
+        "target": m["target"], "ranks": m["topology"]["world_size"],
+        "topology": {k: m["topology"][k] for k in ("tp", "dp", "ep", "lnc", "vtp", "hops")},
+        "files": len(m["files"]), "bytes": sum(sizes.values()), "by_role": by_role,
+        "bytes_per_rank": sum(sizes[x["file"]] for x in r0["loads"]),
+        "kv": m["layout"]["kv"], "tail": m["layout"]["tail"],
+        "source": {k: v for k, v in m["source"].items() if k != "files"},
+        "compile": {"status": m["compile"]["status"], "artifacts": len(m["compile"]["artifacts"])},
+        "stages": [{"name": n, "cached": state.stages.get(n) == k} for n, k in recorded.items()],
+    }

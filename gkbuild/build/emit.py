@@ -1,0 +1,214 @@
+"""Shard emission: one job writes one unique shard file, streaming.
+
+A job reads only the source tensors its file needs, layer by layer, as zero-copy views of the
+memory-mapped checkpoint, applies the pure layout functions, writes each layer's slice at its
+offset in the stacked tensor, and drops the source pages it touched. So a worker holds one
+layer of one shard at a time, whatever the model size. The file appears under its final name
+only when complete (``SafetensorsWriter``); the job then hashes what is on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checkpoint import mxfp4, names
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
+from ..layout import attention, experts_bf16, experts_mx, replicated, tail
+from ..layout.dims import Dims
+from .fingerprint import sha256_file
+
+LAYOUT_VERSION = 1  # bump when any shard's bytes change for the same inputs
+EMBED_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every job of one build shares (sent once to each worker)."""
+
+    ckpt_root: str
+    out_dir: str
+    dims: Dims
+    experts: str
+    v_scale: float
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    role: str
+    index: int
+    path: str
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+_ck: dict[str, Checkpoint] = {}
+_progress = None
+
+
+def init_worker(progress_queue) -> None:
+    """Pool initializer: die with the parent (no orphan keeps writing after a kill)."""
+    global _progress
+    _progress = progress_queue
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _report(n: int, task: str = "shards") -> None:
+    if _progress is not None:
+        _progress.put((task, n))
+
+
+def _checkpoint(root: str) -> Checkpoint:
+    if root not in _ck:
+        _ck[root] = Checkpoint.open(root)
+    return _ck[root]
+
+
+# A producer gives one tensor of a shard: per layer (``stacked``) or as row chunks; it reads only
+# the source it needs and drops those pages from the process when done.
+def _per_layer(fn):
+    fn.stacked = True
+    return fn
+
+
+def _layer(layer: int, suffix: str) -> str:
+    return names.layer_prefix(layer) + suffix
+
+
+def _read_layer(ck: Checkpoint, layer: int, suffix: str, lo=None, hi=None, fn=lambda a: a):
+    name = _layer(layer, suffix)
+    out = fn(ck.read(name, lo, hi))
+    ck.release(name, lo, hi)
+    return out
+
+
+def _shared(ctx: Context, ck: Checkpoint, index: int) -> dict:
+    d = ctx.dims
+
+    def row(suffix):
+        return _per_layer(lambda layer: _read_layer(ck, layer, suffix, fn=lambda a: replicated.row(d, a)))
+
+    def embedding():
+        emb = ck.read(names.EMBED)
+        rows = max(1, EMBED_CHUNK_BYTES // (d.Hp * 2))
+        for r0 in range(0, d.V, rows):
+            yield replicated.embedding(d, emb[r0:r0 + rows])
+            ck.release(names.EMBED, r0, min(r0 + rows, d.V))
+
+    return {
+        "input_layernorm_weight": row("input_layernorm.weight"),
+        "post_attn_layernorm_weight": row("post_attention_layernorm.weight"),
+        "bias_out": row("self_attn.o_proj.bias"),
+        "router_weights": _per_layer(lambda layer: _read_layer(
+            ck, layer, "mlp.router.weight", fn=lambda a: replicated.router_weights(d, a))),
+        "router_bias": _per_layer(lambda layer: _read_layer(ck, layer, "mlp.router.bias", fn=replicated.router_bias)),
+        "embed_tokens": embedding,
+        "gamma": lambda: iter([replicated.gamma(d, ck.read(names.FINAL_NORM))]),
+    }
+
+
+def _attn(ctx: Context, ck: Checkpoint, t: int) -> dict:
+    d = ctx.dims
+    qkv_names = [f"self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+
+    def fused(layer, which):
+        qw, qb, kw, kb, vw, vb = (ck.read(_layer(layer, n)) for n in qkv_names)
+        out = attention.qkv(d, t, qw, kw, vw, qb, kb, vb)[which]
+        for n in qkv_names:
+            ck.release(_layer(layer, n))
+        return out
+
+    return {
+        "W_qkv": _per_layer(lambda layer: fused(layer, 0)),
+        "bias_qkv": _per_layer(lambda layer: fused(layer, 1)),
+        "W_out": _per_layer(lambda layer: _read_layer(
+            ck, layer, "self_attn.o_proj.weight", fn=lambda a: attention.w_out(d, t, a, ctx.v_scale))),
+        "sink": _per_layer(lambda layer: _read_layer(ck, layer, "self_attn.sinks",
+                                                      fn=lambda a: attention.sink(d, t, a))),
+    }
+
+
+def _expert(ctx: Context, ck: Checkpoint, r: int) -> dict:
+    d = ctx.dims
+    lo, hi = r * d.E_L, (r + 1) * d.E_L
+
+    def mx(suffix, fn):
+        return _per_layer(lambda layer: _read_layer(ck, layer, "mlp.experts." + suffix, lo, hi, lambda a: fn(d, a)))
+
+    if ctx.experts == "mxfp4":
+        return {
+            "expert_gate_up_weights": mx("gate_up_proj_blocks", experts_mx.gate_up_weights),
+            "expert_gate_up_weights_scale": mx("gate_up_proj_scales", experts_mx.gate_up_scales),
+            "expert_gate_up_bias": mx("gate_up_proj_bias", experts_mx.gate_up_bias),
+            "expert_down_weights": mx("down_proj_blocks", experts_mx.down_weights),
+            "expert_down_weights_scale": mx("down_proj_scales", experts_mx.down_scales),
+            "expert_down_bias": mx("down_proj_bias", experts_mx.down_bias),
+        }
+
+    def dequantized(proj, fn):
+        def one(layer):
+            blocks = _read_layer(ck, layer, f"mlp.experts.{proj}_blocks", lo, hi)
+            scales = _read_layer(ck, layer, f"mlp.experts.{proj}_scales", lo, hi)
+            return fn(d, mxfp4.decode(blocks, scales))
+        return _per_layer(one)
+
+    return {
+        "expert_gate_up_weights": dequantized("gate_up_proj", experts_bf16.gate_up_weights),
+        "expert_gate_up_bias": mx("gate_up_proj_bias", experts_bf16.gate_up_bias),
+        "expert_down_weights": dequantized("down_proj", experts_bf16.down_weights),
+        "expert_down_bias": mx("down_proj_bias", experts_bf16.down_bias),
+    }
+
+
+def _tail(ctx: Context, ck: Checkpoint, v: int) -> dict:
+    d = ctx.dims
+
+    def shard():
+        lo, hi = v * d.V_s, (v + 1) * d.V_s
+        out = tail.lm_head_t(d, v, ck.read(names.LM_HEAD, lo, hi))
+        ck.release(names.LM_HEAD, lo, hi)
+        yield out
+
+    return {"lm_head_weight_t": shard}
+
+
+PRODUCERS = {"shared": _shared, "attn": _attn, "expert": _expert, "tail": _tail}
+
+
+def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:
+    """Write one shard; return (path, size, sha256 of the bytes on disk)."""
+    from pathlib import Path
+
+    ck = _checkpoint(ctx.ckpt_root)
+    path = Path(ctx.out_dir) / job.path
+    meta = {"gkbuild_role": job.role, "gkbuild_layout_version": str(LAYOUT_VERSION)}
+    producers = PRODUCERS[job.role](ctx, ck, job.index)
+    # Tensors in file order, so the writer hashes as it appends (no read-back). Not fsynced here:
+    # the parent syncs the filesystem before it records a shard as done, so workers never stall
+    # on the disk while the kernel writes back in the background.
+    with SafetensorsWriter(path, list(job.tensors), meta, durable=False) as w:
+        for name in w.order:
+            produce = producers[name]
+            chunks = (produce(layer) for layer in range(ctx.dims.L)) if getattr(produce, "stacked", False) \
+                else produce()
+            for data in chunks:
+                w.append(name, data)
+                _report(data.nbytes)
+    return job.path, path.stat().st_size, w.sha256
+
+
+def run_hash(path: str) -> tuple[str, str]:
+    from pathlib import Path
+
+    return path, sha256_file(Path(path), lambda n: _report(n, "hash"))

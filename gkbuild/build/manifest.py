@@ -1,0 +1,132 @@
+"""manifest.json: the contract with runtimes.
+
+Versioned (``schema_version``, JSON Schema shipped in ``gkbuild/schemas``); lists every file with
+its size and sha256, the source and its file hashes, the recipe, model, topology and meshes, tool
+versions, layout metadata, and for every rank its coordinates and the files and tensors it loads.
+Reproducible: no timestamps or machine paths; ``build_id`` is the sha256 of everything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from .. import __version__
+from ..errors import GkError
+
+SCHEMA_VERSION = 1
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / f"manifest-v{SCHEMA_VERSION}.json"
+NAME = "manifest.json"
+
+
+def tool_versions() -> dict:
+    def v(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"gkbuild": __version__, "python": platform.python_version(), "torch": v("torch"),
+            "numpy": v("numpy"), "safetensors": v("safetensors")}
+
+
+def canonical(obj) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def build_id(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "build_id"}
+    return hashlib.sha256(canonical(body)).hexdigest()
+
+
+@lru_cache(maxsize=None)
+def schema(version: int = SCHEMA_VERSION) -> dict:
+    return json.loads((SCHEMA_FILE.parent / f"manifest-v{version}.json").read_text())
+
+
+def validate(manifest: dict, where: str = NAME) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validate(manifest, schema())
+    except jsonschema.ValidationError as e:
+        at = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise GkError(f"{where}: does not match schema v{SCHEMA_VERSION} at {at}: {e.message}") from None
+
+
+def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile_entry: dict) -> dict:
+    """Assemble the manifest (without build_id, added last)."""
+    r = plan.recipe
+    t = r.topology
+    by_path = {f["path"]: f for f in files}
+    ranks = []
+    for c in plan.ranks:
+        loads = [{"file": f.path, "tensors": [s.name for s in f.tensors]} for f in plan.files_of(c.rank)]
+        ranks.append({**c.to_dict(), "loads": loads})
+    m = {
+        "schema_version": SCHEMA_VERSION,
+        "name": r.name,
+        "target": r.target,
+        "recipe": {"digest": r.digest(), "resolved": {k: v for k, v in r.to_dict().items() if k != "output"}},
+        "source": source_info,
+        "model": plan.config.to_hf(),
+        "topology": {"tp": t.tp, "dp": t.dp, "ep": t.ep, "lnc": t.lnc, "vtp": t.vtp, "hops": r.hops,
+                     "a2a_batch_groups": t.a2a_batch_groups, "world_size": plan.world,
+                     "meshes": {"tp_replica_group": plan.meshes["tp_replica_group"],
+                                "ep_replica_group": plan.meshes["ep_replica_group"],
+                                "tail_hop_meshes": plan.tail["hop_meshes"]}},
+        "tools": tool_versions(),
+        "files": sorted(files, key=lambda f: f["path"]),
+        "layout": {"kv": {"file": "layout/kv.json", "groups": plan.kv.groups, "num_blocks": plan.kv.num_blocks,
+                          "block_size": plan.kv.block_size, "dtype": plan.kv.dtype, "packed": plan.kv.packed,
+                          "buffer_shape": plan.kv.buffer_shape, "bytes_per_rank": plan.kv.bytes_per_rank},
+                   "tail": {"file": "layout/tail.json", "vocab_per_rank": plan.dims.V_s, "hops": r.hops,
+                            "k": r.tail.k}},
+        "scalars": plan.scalars,
+        "ranks": ranks,
+        "stages": stages,
+        "compile": compile_entry,
+    }
+    missing = [f.path for f in plan.files if f.path not in by_path]
+    if missing:
+        raise GkError(f"internal: shards missing from the manifest: {missing[:3]}")
+    m = json.loads(json.dumps(m))  # tuples -> lists: the manifest is exactly what a reader sees
+    m["build_id"] = build_id(m)
+    validate(m)
+    return m
+
+
+def write(path: Path, m: dict) -> None:
+    """The manifest goes last and atomically: its presence says the build is complete."""
+    import os
+
+    from ..checkpoint.safetensors_io import fsync_dir
+
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(canonical(m))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def load(build_dir: Path) -> dict:
+    """Read a build's manifest, refusing a schema version this gkbuild does not know."""
+    p = Path(build_dir) / NAME
+    try:
+        m = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise GkError(f"{build_dir}: no {NAME} (not a build folder, or the build did not finish)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GkError(f"{p}: not valid JSON ({e})") from None
+    v = m.get("schema_version") if isinstance(m, dict) else None
+    if v != SCHEMA_VERSION:
+        raise GkError(f"{p}: schema_version {v!r} is not supported by gkbuild {__version__} "
+                      f"(supports {SCHEMA_VERSION}); use a matching gkbuild")
+    validate(m, str(p))
+    return m

@@ -1,0 +1,368 @@
+"""``gkbuild compile``: the stages of DESIGN.md, each skipped when its key is unchanged.
+
+    resolve -> validate -> plan -> shards -> layout -> compile -> manifest
+
+Keys hash a stage's parameters, its inputs' fingerprints (source files by sha256, remembered by
+path+size+mtime) and the gkbuild version. Shards are keyed one by one, so changing the vocab split
+rebuilds only the tail shards; a tail option that changes no weight (k, emit_logits) rewrites only
+the layout metadata and the manifest. Independent shards run in parallel worker processes; every
+output is written under a temporary name and renamed when complete, and finished shards are
+committed to the folder's state (after a filesystem sync) as the build goes, so an interrupted
+build resumes without redoing them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..checkpoint.reader import INDEX, Checkpoint, weight_files
+from ..checkpoint.safetensors_io import syncfs
+from ..checkpoint.source import cache_root, materialize, parse, synth_cache_dir, synth_config
+from ..errors import GkError
+from ..layout.tail import owned_rows
+from ..model import GptOssConfig
+from ..plan import Plan, ShardFile, make_plan
+from ..progress import Progress
+from ..recipe import Recipe
+from . import manifest as mf
+from .emit import LAYOUT_VERSION, Context, ShardJob, init_worker, run_hash, run_shard
+from .fingerprint import Fingerprints, sha256_file
+from .state import STATE_DIR, State, key, write_json_atomic
+
+# Seconds between the syncs that commit finished shards to the state: what an interruption can
+# cost at most (a shard written but not yet committed is rewritten on the next run).
+SYNC_INTERVAL = float(os.environ.get("GKBUILD_SYNC_INTERVAL", "2.0"))
+
+
+@dataclass
+class StageReport:
+    name: str
+    status: str  # ran | cached | pending | skipped
+    seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    stages: list[StageReport]
+    manifest: dict
+    shards_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+    @property
+    def did_work(self) -> bool:
+        return any(s.status == "ran" for s in self.stages)
+
+    def summary(self) -> dict:
+        m = self.manifest
+        return {"build": str(self.out), "build_id": m["build_id"], "name": m["name"], "target": m["target"],
+                "ranks": m["topology"]["world_size"], "files": len(m["files"]),
+                "bytes": sum(f["size"] for f in m["files"]), "shards_written": self.shards_written,
+                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3),
+                "did_work": self.did_work, "compile": m["compile"]["status"],
+                "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3),
+                            "detail": s.detail} for s in self.stages]}
+
+
+@contextmanager
+def _lock(out: Path):
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / STATE_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise GkError(f"{out}: another gkbuild compile is writing this folder") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+class _Runner:
+    """A process pool whose workers report (task, bytes) to the progress bars."""
+
+    def __init__(self, jobs: int, progress: Progress):
+        ctx = mp.get_context("fork")
+        self.queue = ctx.SimpleQueue()
+        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=init_worker,
+                                        initargs=(self.queue,))
+        self.progress = progress
+
+    def _drain(self) -> None:
+        while not self.queue.empty():
+            self.progress.advance(*self.queue.get())
+
+    def run(self, calls: list, on_done) -> None:
+        """Submit (fn, args, tag) calls in order; ``on_done(tag, result)`` as each finishes."""
+        pending = {self.pool.submit(fn, *args): tag for fn, args, tag in calls}
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                self._drain()
+                for fut in done:
+                    on_done(pending.pop(fut), fut.result())
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        finally:
+            self._drain()
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+
+
+def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
+    """What one shard's bytes depend on: its role's parameters, its tensors, the source, the code."""
+    r = plan.recipe
+    params = {"shared": {}, "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
+              "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp}}[f.role]
+    specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
+    return key("shard", f.role, f.index, params, specs, source_fp, LAYOUT_VERSION, __version__)
+
+
+def _v_scale(r: Recipe) -> float:
+    return r.kv_cache.v_scale if r.kv_cache.dtype == "fp8" else 1.0
+
+
+def layout_docs(plan: Plan) -> dict[str, dict]:
+    """The KV and tail layout metadata files a runtime reads."""
+    t = plan.recipe.topology
+    tail = dict(plan.tail)
+    tail["owned_rows"] = {str(b): {str(c.rank): owned_rows(c.vtp, t.vtp, b, plan.recipe.hops, t.a2a_batch_groups)
+                                   for c in plan.ranks}
+                          for b in plan.recipe.decode.batch_sizes}
+    return {"layout/kv.json": plan.kv.describe(), "layout/tail.json": tail}
+
+
+class _Build:
+    """One run of the pipeline over one build folder; a method a stage."""
+
+    def __init__(self, recipe: Recipe, out: Path, jobs: int, force: bool, progress: Progress):
+        self.recipe, self.out, self.jobs, self.progress = recipe, out, jobs, progress
+        self.state = State(out)
+        if force:
+            self.state.stages, self.state.shards = {}, {}
+        self.reports: list[StageReport] = []
+        self.keys: dict[str, str] = {}
+        self.written = self.nbytes = 0
+
+    def report(self, name: str, ran: bool, t0: float, detail: str = "") -> None:
+        self.reports.append(StageReport(name, "ran" if ran else "cached", time.perf_counter() - t0 if ran else 0.0,
+                                        detail))
+
+    # -- resolve, validate, plan ----------------------------------------------------------------
+    def resolve(self) -> None:
+        t0 = time.perf_counter()
+        r = self.recipe
+        self.spec = parse(r.source, base=r.path.parent if r.path else None)
+        synthesize = self.spec.kind == "synth" and not (synth_cache_dir(self.spec) / "config.json").exists()
+        if synthesize:
+            from ..checkpoint.synth import total_bytes
+
+            self.progress.task("resolve", f"synthesize {self.spec.preset}", total_bytes(synth_config(self.spec)))
+        self.root = materialize(self.spec, advance=self.progress.advancer("resolve"))
+        self.report("resolve", synthesize, t0, self.spec.uri if self.spec.kind == "synth" else str(self.root))
+
+    def validate(self) -> None:
+        t0 = time.perf_counter()
+        self.config = GptOssConfig.from_file(self.root / "config.json")
+        names = ["config.json"] + ([INDEX] if (self.root / INDEX).exists() else []) + weight_files(self.root)
+        self.source_files = sorted((self.root / n for n in names), key=lambda p: p.name)
+        self.identity = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in self.source_files]
+        self.keys["validate"] = key("validate", self.identity, __version__)
+        cached = self.state.stages.get("validate") == self.keys["validate"]
+        if not cached:
+            Checkpoint.open(self.root).close()
+            self.recipe.check_against(self.config)
+        self.report("validate", not cached, t0, f"{len(self.source_files)} files, headers checked")
+
+    def plan(self) -> None:
+        t0 = time.perf_counter()
+        self.plan_ = make_plan(self.recipe, self.config)
+        self.keys["plan"] = key("plan", self.recipe.digest(), self.config.to_hf(), __version__)
+        self.report("plan", self.state.stages.get("plan") != self.keys["plan"], t0,
+                    f"{self.plan_.world} ranks, {len(self.plan_.files)} files")
+
+    # -- shards ---------------------------------------------------------------------------------
+    def shards(self) -> None:
+        t0 = time.perf_counter()
+        self.fps = Fingerprints(cache_root())
+        self.digests = {p.name: self.fps.lookup(p) for p in self.source_files}
+        unknown = [p for p in self.source_files if self.digests[p.name] is None]
+        for p in (self.out / "weights").glob("*.partial") if (self.out / "weights").exists() else []:
+            p.unlink(missing_ok=True)  # an interrupted earlier run's temporaries
+        self._results: dict[str, tuple[int, str]] = {}
+        self._unrecorded: list[ShardFile] = []
+        self._last_sync = time.monotonic()
+        self._fp = None if unknown else self.source_fp()
+        runner = None
+        try:
+            if unknown and self.state.shards:  # hash first: the keys decide what can be kept
+                runner = _Runner(self.jobs, self.progress)
+                runner.run(self._hash_calls(unknown), self._on_done)
+                self.fps.save()
+                unknown, self._fp = [], self.source_fp()
+            todo = self._todo()
+            if todo or unknown:
+                # A first build with unhashed sources hashes them alongside the emission.
+                runner = runner or _Runner(self.jobs, self.progress)
+                ctx = Context(str(self.root), str(self.out), self.plan_.dims, self.recipe.experts,
+                              _v_scale(self.recipe))
+                self.progress.task("shards", "emit shards", sum(f.nbytes for f in todo))
+                calls = (self._hash_calls(unknown) if unknown else []) + [
+                    (run_shard, (ctx, ShardJob(f.role, f.index, f.path, f.tensors)), ("shard", f)) for f in todo]
+                calls.sort(key=lambda c: -(c[2][1].stat().st_size if c[2][0] == "hash" else c[2][1].nbytes))
+                runner.run(calls, self._on_done)
+                if unknown:
+                    self.fps.save()
+                    self._fp = self.source_fp()
+            self._record(force=True)
+        except BaseException:
+            if runner:
+                runner.close(cancel=True)
+            self._record(force=True)
+            raise
+        if runner:
+            runner.close()
+        keep = {f.path for f in self.plan_.files}
+        for path in [p for p in self.state.shards if p not in keep]:  # an earlier plan's shards
+            (self.out / path).unlink(missing_ok=True)
+            del self.state.shards[path]
+        self.state.source = {"identity": self.identity, "fingerprint": self.source_fp()}
+        self.keys["shards"] = key("shards", sorted((f.path, self.state.shards[f.path]["key"])
+                                                   for f in self.plan_.files))
+        n = len(self.plan_.files)
+        self.report("shards", bool(self.written), t0,
+                    f"{self.written} of {n} written" if self.written else f"{n} up to date")
+
+    def source_fp(self) -> str:
+        return key("source", sorted(self.digests.items()))
+
+    def _hash_calls(self, files: list[Path]) -> list:
+        self.progress.task("hash", "hash source", sum(p.stat().st_size for p in files))
+        return [(run_hash, (str(p),), ("hash", p)) for p in files]
+
+    def _todo(self) -> list[ShardFile]:
+        """Shards to (re)write: no record, a different key, or the file gone or resized."""
+        todo = []
+        for f in self.plan_.files:
+            rec = self.state.shards.get(f.path)
+            p = self.out / f.path
+            ok = (rec is not None and self._fp is not None and rec["key"] == shard_key(self.plan_, f, self._fp)
+                  and p.exists() and p.stat().st_size == rec["size"])
+            if not ok:
+                todo.append(f)
+        return todo
+
+    def _on_done(self, tag, result) -> None:
+        kind, obj = tag
+        if kind == "hash":
+            self.digests[obj.name] = result[1]
+            self.fps.remember(obj, result[1])
+            return
+        path, size, sha = result
+        self._results[path] = (size, sha)
+        self._unrecorded.append(obj)
+        self.written, self.nbytes = self.written + 1, self.nbytes + size
+        self._record()
+
+    def _record(self, force: bool = False) -> None:
+        """Sync the output filesystem, then record the finished shards: a shard in the state is
+        durable, so a resume after a kill or a power loss never trusts a torn file."""
+        if self._fp is None or not self._unrecorded:
+            return
+        if not force and time.monotonic() - self._last_sync < SYNC_INTERVAL:
+            return
+        syncfs(self.out)
+        for f in self._unrecorded:
+            size, sha = self._results[f.path]
+            self.state.shards[f.path] = {"key": shard_key(self.plan_, f, self._fp), "size": size, "sha256": sha}
+        self._unrecorded.clear()
+        self.state.save()
+        self._last_sync = time.monotonic()
+
+    # -- layout metadata, compile, manifest -------------------------------------------------------
+    def layout(self) -> None:
+        t0 = time.perf_counter()
+        docs = layout_docs(self.plan_)
+        self.keys["layout"] = key("layout", docs, __version__)
+        cached = self.state.stages.get("layout") == self.keys["layout"] and all((self.out / p).exists() for p in docs)
+        if not cached:
+            for p, doc in docs.items():
+                write_json_atomic(self.out / p, doc)
+        self.layout_files = [{"path": p, "size": (self.out / p).stat().st_size,
+                              "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
+        self.report("layout", not cached, t0, ", ".join(docs))
+
+    def compile(self, compile_stage) -> None:
+        t0 = time.perf_counter()
+        if compile_stage is None:
+            self.compile_entry = {"status": "pending", "reason": "trace/compile stage not run", "artifacts": []}
+            self.keys["compile"] = key("compile", "pending")
+            self.reports.append(StageReport("compile", "pending", 0.0, "trace/compile stage not run"))
+            return
+        self.compile_entry, self.keys["compile"], status, detail = compile_stage(self.plan_, self.out, self.state,
+                                                                                  self.progress)
+        self.reports.append(StageReport("compile", status, time.perf_counter() - t0, detail))
+
+    def manifest(self) -> dict:
+        t0 = time.perf_counter()
+        shards = [{"path": f.path, "size": self.state.shards[f.path]["size"],
+                   "sha256": self.state.shards[f.path]["sha256"], "role": f.role, "index": f.index,
+                   "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in f.tensors]}
+                  for f in self.plan_.files]
+        artifacts = [{"path": a["path"], "size": a["size"], "sha256": a["sha256"], "role": "artifact"}
+                     for a in self.compile_entry["artifacts"] if a.get("path")]
+        stages = [{"name": n, "key": self.keys[n]} for n in ("validate", "plan", "shards", "layout", "compile")]
+        m = mf.make(self.plan_, self._source_info(), shards + self.layout_files + artifacts, stages,
+                    self.compile_entry)
+        self.keys["manifest"] = key("manifest", m["build_id"])
+        path = self.out / mf.NAME
+        cached = self.state.stages.get("manifest") == self.keys["manifest"] and path.exists()
+        if not cached:
+            mf.write(path, m)
+        self.report("manifest", not cached, t0, m["build_id"][:16])
+        self.state.stages.update(self.keys)
+        self.state.save()
+        return m
+
+    def _source_info(self) -> dict:
+        info = self.spec.describe()
+        if self.spec.kind == "hf":
+            from ..checkpoint.hub import parse as parse_hf
+
+            ref = parse_hf(self.spec.uri)
+            info.update(repo=ref.repo, revision=ref.revision, commit=self.root.name)
+        info["files"] = [{"name": p.name, "size": p.stat().st_size, "sha256": self.digests[p.name]}
+                         for p in self.source_files]
+        return info
+
+
+def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
+                  quiet: bool = False, compile_stage=None) -> BuildResult:
+    """Run every stage of a build into ``out`` (default: the recipe's output folder)."""
+    t0 = time.perf_counter()
+    out = Path(out) if out else recipe.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with _lock(out), Progress(quiet) as progress:
+        b = _Build(recipe, out, jobs or os.cpu_count() or 1, force, progress)
+        b.resolve()
+        b.validate()
+        b.plan()
+        b.shards()
+        b.layout()
+        b.compile(compile_stage)
+        m = b.manifest()
+    return BuildResult(out, b.reports, m, b.written, b.nbytes, time.perf_counter() - t0)
