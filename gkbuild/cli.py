@@ -207,6 +207,86 @@ def check(build_dir, quiet):
     note(f"ok: {len(m['files'])} files match the manifest (build {m['build_id'][:16]})", quiet)
 
 
+def _prompt_ids(text: str | None) -> list[list[int]] | None:
+    if not text:
+        return None
+    try:
+        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
+    except ValueError:
+        raise GkError(f"--prompt-ids: {text!r} is not a list like '1,2,3;4,5,6'") from None
+    if not prompts or len({len(p) for p in prompts}) != 1:
+        raise GkError("--prompt-ids: give one or more prompts of the same length, ';'-separated")
+    return prompts
+
+
+@cli.command()
+@click.argument("checkpoint")
+@click.option("--out", "out_file", required=True, type=click.Path(path_type=Path), help="Golden file to write.")
+@click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6' (same length).")
+@click.option("--prompts", "n_prompts", default=4, show_default=True, help="Random prompts, when no --prompt-ids.")
+@click.option("--prompt-len", default=4, show_default=True, help="Length of the random prompts.")
+@click.option("--steps", default=16, show_default=True, help="Greedy continuation steps after each prompt.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
+def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed):
+    """Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV or synth://PRESET...) from
+    transformers' GptOssForCausalLM (MXFP4 dequantized, CPU, fp32): each prompt plus a greedy
+    continuation of --steps tokens, teacher-forced, with per-layer hidden states and router
+    choices, saved as safetensors so a build can be verified without transformers."""
+    from .checkpoint.source import materialize, model_config, parse
+    from .golden import default_prompts, for_checkpoint
+
+    spec = parse(checkpoint, base=Path.cwd())
+    prompts = _prompt_ids(prompt_ids) or default_prompts(model_config(spec).V, n_prompts, prompt_len, seed)
+    g = for_checkpoint(materialize(spec), prompts, steps)
+    g.save(out_file)
+    note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions")
+
+
+@cli.command()
+@click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
+@click.option("--golden", "golden_file", type=click.Path(path_type=Path), default=None,
+              help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
+@click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
+@click.option("--prompts", "n_prompts", type=int, default=None, help="Sequences (no --golden; default min(4, batch)).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(build_dir, golden_file, steps, n_prompts, as_json):
+    """Run BUILD's decode steps through the torch twins (every rank emulated, each seeing only its
+    own shards) and compare the logits with the reference model's: NxD-style tolerances on the
+    reference's top-5/50/1000/all logits, teacher forcing, near-tie allowances. Exits 1 on a
+    mismatch and names the first layer whose hidden state departs."""
+    from .verify import run
+
+    rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        _print_verify(rep)
+    if not rep.ok:
+        p, t = rep.first_failure
+        where = f"layer {rep.first_bad_layer}" if rep.first_bad_layer is not None else "the tail (no layer departs)"
+        raise GkError(f"verify failed: sequence {p} position {t} is out of tolerance; the first hidden state "
+                      f"to depart from the reference is {where}")
+
+
+def _print_verify(rep) -> None:
+    from .verify import TOLERANCES
+
+    t = Table(title=f"verify ({rep.kv} KV tolerances)", title_justify="left")
+    for c in ("pos", "top-1 exact/near/wrong", "max |err| top-5", "top-50", "top-1000", "all", "min cosine", ""):
+        t.add_column(c, justify="right")
+    for s in rep.steps:
+        e = s.max_err
+        t.add_row(str(s.step), f"{s.top1_exact}/{s.top1_near}/{s.top1_wrong}", f"{e[5]:.4f}", f"{e[50]:.4f}",
+                  f"{e[1000]:.4f}", f"{e[None]:.4f}", f"{s.min_cosine:.6f}", "[green]ok[/]" if s.ok else "[red]FAIL[/]")
+    out.print(t)
+    tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
+    out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; near-tie routing forced "
+              f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}")
+    if rep.layer_errors:
+        out.print("hidden-state relative error by layer where the first departure shows: "
+                  + ", ".join(f"L{i}: {e:.3g}" for i, e in enumerate(rep.layer_errors)))
+
+
 @cli.command("recipe-doc")
 def recipe_doc():
     """Every recipe.yaml key with its default and meaning."""

@@ -4,7 +4,7 @@ budget, computed before any weight is read. Pure: no I/O.
 Files are unique shards named by role; a rank loads the shared file, its TP rank's attention
 shard, its EP rank's expert shard and its vocab rank's tail shard:
 
-    weights/shared.safetensors        norms, bias_out, router, embedding, final-norm gamma
+    weights/shared.safetensors        norms, bias_out (o_proj bias / tp), router, embedding, gamma
     weights/attn-tp{t}.safetensors    W_qkv, bias_qkv, W_out, sink           (one per TP rank)
     weights/expert-{r:03d}.safetensors  the rank's experts, all layers        (one per EP rank)
     weights/tail-v{v:03d}.safetensors lm_head_weight_t                       (one per vocab rank)

@@ -42,7 +42,7 @@ class Topology:
     dp: int = _f(1, "data-parallel replicas of attention; world size = tp * dp")
     ep: int = _f(1, "expert-parallel degree; the EP group spans every rank, so ep = tp * dp")
     lnc: int = _f(1, "logical NeuronCore size; the GK decode is an LNC=1 kernel", (1,))
-    vtp: int = _f(1, "vocab-parallel degree of the sampling tail (lm_head split over vtp ranks)")
+    vtp: int = _f(1, "vocab-parallel degree of the sampling tail (lm_head split over every rank: tp * dp)")
     hops: list = _f([], "all-to-all hop sizes of the tail, multiplying to vtp (default: [vtp])")
     a2a_batch_groups: int = _f(1, "split the tail exchange into this many batch groups (single hop only)")
 
@@ -144,8 +144,8 @@ class Recipe:
                 bad(key, v, "expected a positive integer")
         if t.ep != t.world:
             bad("topology.ep", t.ep, f"the EP group spans every rank, so ep must be tp * dp = {t.world}")
-        if t.world % t.vtp:
-            bad("topology.vtp", t.vtp, f"expected a divisor of the world size {t.world}")
+        if t.vtp != t.world:
+            bad("topology.vtp", t.vtp, f"the tail runs on every rank, so vtp must be the world size {t.world}")
         hops = self.hops
         if any((not isinstance(h, int)) or h < 1 for h in hops):
             bad("topology.hops", hops, "expected a list of positive integers")

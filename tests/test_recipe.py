@@ -61,7 +61,7 @@ def test_defaults_and_derived():
     ("topology.lnc", 2, r"topology.lnc: 2 is not one of 1"),
     ("topology.ep", 64, r"topology.ep: 64 is not valid; the EP group spans every rank"),
     ("topology.hops", [8, 8], r"topology.hops: \[8, 8\] is not valid; hop sizes must multiply to vtp = 128"),
-    ("topology.vtp", 3, r"topology.vtp: 3 is not valid; expected a divisor of the world size 128"),
+    ("topology.vtp", 64, r"topology.vtp: 64 is not valid; the tail runs on every rank, so vtp must be the world"),
     ("kv_cache.dtype", "bf16", r"kv_cache.packed: True is not valid; packed K is an FP8 layout"),
     ("kv_cache.block_size", 5, r"kv_cache.block_size: 5 is not valid; packed K pairs tokens"),
     ("kv_cache.num_blocks", KeyError, r"give num_blocks, or hbm_per_rank_gib and memory_utilization"),

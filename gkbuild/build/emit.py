@@ -20,7 +20,7 @@ from ..layout import attention, experts_bf16, experts_mx, replicated, tail
 from ..layout.dims import Dims
 from .fingerprint import sha256_file
 
-LAYOUT_VERSION = 1  # bump when any shard's bytes change for the same inputs
+LAYOUT_VERSION = 2  # bump when any shard's bytes change for the same inputs
 EMBED_CHUNK_BYTES = 32 << 20
 
 
@@ -109,7 +109,8 @@ def _shared(ctx: Context, ck: Checkpoint, index: int) -> dict:
     return {
         "input_layernorm_weight": row("input_layernorm.weight"),
         "post_attn_layernorm_weight": row("post_attention_layernorm.weight"),
-        "bias_out": row("self_attn.o_proj.bias"),
+        "bias_out": _per_layer(lambda layer: _read_layer(ck, layer, "self_attn.o_proj.bias",
+                                                          fn=lambda a: attention.o_bias(d, a))),
         "router_weights": _per_layer(lambda layer: _read_layer(
             ck, layer, "mlp.router.weight", fn=lambda a: replicated.router_weights(d, a))),
         "router_bias": _per_layer(lambda layer: _read_layer(ck, layer, "mlp.router.bias", fn=replicated.router_bias)),

@@ -126,7 +126,7 @@ class _Runner:
 def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
     """What one shard's bytes depend on: its role's parameters, its tensors, the source, the code."""
     r = plan.recipe
-    params = {"shared": {}, "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
+    params = {"shared": {"tp": r.topology.tp}, "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
               "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp}}[f.role]
     specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
     return key("shard", f.role, f.index, params, specs, source_fp, LAYOUT_VERSION, __version__)

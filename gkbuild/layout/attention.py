@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, hidden
+from . import arrays, hidden, replicated
 from .dims import Dims
 
 
@@ -67,6 +67,16 @@ def w_out_inverse(dims: Dims, shards: list[np.ndarray], v_scale: float = 1.0) ->
     if v_scale != 1.0:
         w = (w.astype(np.float32) / np.float32(v_scale)).astype(w.dtype)
     return np.ascontiguousarray(hidden.from_kernel(w.T, 0, dims.H))
+
+
+def o_bias(dims: Dims, b: np.ndarray) -> np.ndarray:
+    """HF o_proj bias [H] -> bias_out [1, Hp], divided by tp: every TP rank adds it to its partial
+    output before the reduce-scatter sums the partials (exact when tp is a power of two)."""
+    return replicated.row(dims, (b.astype(np.float32) / np.float32(dims.tp)).astype(b.dtype))
+
+
+def o_bias_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
+    return (replicated.row_inverse(dims, r).astype(np.float32) * np.float32(dims.tp)).astype(r.dtype)
 
 
 def sink(dims: Dims, t: int, sinks: np.ndarray) -> np.ndarray:

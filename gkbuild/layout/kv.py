@@ -121,15 +121,16 @@ def budget_blocks(layout_per_block_bytes: int, hbm_bytes: float, weight_bytes: i
 
 
 # -- writing and reading one token's K/V in the paged buffers ------------------------------------
-def pack_block(k: np.ndarray) -> np.ndarray:
-    """One block's K [kv, block, d] -> packed [kv, block//2, d, 2]."""
-    kv, bl, d = k.shape
-    return np.ascontiguousarray(k.reshape(kv, bl // 2, 2, d).transpose(0, 1, 3, 2))
+def pack_block(k):
+    """K [..., block, d] -> packed [..., block//2, d, 2] (numpy or torch; a view where possible)."""
+    *lead, bl, d = k.shape
+    return k.reshape(*lead, bl // 2, 2, d).swapaxes(-1, -2)
 
 
-def unpack_block(p: np.ndarray) -> np.ndarray:
-    kv, half, d, _ = p.shape
-    return np.ascontiguousarray(p.transpose(0, 1, 3, 2).reshape(kv, half * 2, d))
+def unpack_block(p):
+    """Packed K [..., block//2, d, 2] -> [..., block, d]."""
+    *lead, half, d, _ = p.shape
+    return p.swapaxes(-1, -2).reshape(*lead, half * 2, d)
 
 
 def write_k(k_half: np.ndarray, block: int, token: int, k: np.ndarray, packed: bool) -> None:

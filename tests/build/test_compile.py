@@ -50,7 +50,7 @@ def _expected(r, ck, plan, f) -> dict[str, np.ndarray]:
         return {
             "input_layernorm_weight": st(lambda i: replicated.row(d, rd(p(i) + "input_layernorm.weight"))),
             "post_attn_layernorm_weight": st(lambda i: replicated.row(d, rd(p(i) + "post_attention_layernorm.weight"))),
-            "bias_out": st(lambda i: replicated.row(d, rd(p(i) + "self_attn.o_proj.bias"))),
+            "bias_out": st(lambda i: attention.o_bias(d, rd(p(i) + "self_attn.o_proj.bias"))),
             "router_weights": st(lambda i: replicated.router_weights(d, rd(p(i) + "mlp.router.weight"))),
             "router_bias": st(lambda i: replicated.router_bias(rd(p(i) + "mlp.router.bias"))),
             "embed_tokens": replicated.embedding(d, rd(names.EMBED)),
@@ -211,13 +211,27 @@ def test_a_tail_option_rebuilds_only_what_depends_on_it(topo, tmp_path):
     st = {s.name: s.status for s in res.stages}
     assert st["shards"] == "cached" and st["layout"] == "ran" and st["manifest"] == "ran"
     assert {p.name: p.stat().st_mtime_ns for p in (b / "weights").iterdir()} == before
-    r3 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["topology.vtp=64", "topology.hops=[8, 8]"])
+    # switching the experts to bf16 rewrites the 128 expert shards and nothing else
+    r3 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["experts=bf16"])
     res = compile_build(r3, out=b, quiet=True)
-    assert res.shards_written == 64
+    assert res.shards_written == 128
     after = {p.name: p.stat().st_mtime_ns for p in (b / "weights").iterdir()}
-    assert not any(n.startswith("tail-") and before.get(n) == after[n] for n in after)  # tails rewritten
-    assert all(after[n] == before[n] for n in after if not n.startswith("tail-"))  # nothing else touched
-    assert not (b / "weights/tail-v100.safetensors").exists()  # stale shards of the old split removed
+    assert all(after[n] != before[n] for n in after if n.startswith("expert-"))
+    assert all(after[n] == before[n] for n in after if not n.startswith("expert-"))
+    assert run_cli("check", str(b), "-q").returncode == 0
+
+
+def test_a_smaller_topology_removes_the_stale_shards(topo, tmp_path):
+    r, out, _ = topo
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    r2 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["topology.dp=8", "topology.ep=64", "topology.vtp=64",
+                                                           "topology.hops=[8, 8]", "decode.batch_sizes=[64]"])
+    res = compile_build(r2, out=b, quiet=True)
+    assert res.shards_written == 64 + 64  # new expert and tail splits; tp unchanged: attn and shared kept
+    names = {p.name for p in (b / "weights").iterdir()}
+    assert "expert-100.safetensors" not in names and "tail-v100.safetensors" not in names
+    assert "attn-tp7.safetensors" in names
     assert run_cli("check", str(b), "-q").returncode == 0
 
 

@@ -57,6 +57,19 @@ def test_qkv_out_sink_roundtrip(heads, seed):
     assert np.array_equal(_bits(attention.sink_inverse(sinks)), _bits(w["sinks"]))
 
 
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_o_bias_sums_back_over_tp(tp):
+    rng = np.random.default_rng(tp)
+    dims = Dims.of(preset("tiny-topology"), tp=tp)
+    b = rng.standard_normal(dims.H).astype(BF)
+    r = attention.o_bias(dims, b)
+    assert r.shape == (1, dims.Hp) and r.dtype == BF
+    assert np.array_equal(_bits(attention.o_bias_inverse(dims, r)), _bits(b))  # exact: tp is a power of 2
+    # what the kernel does: every TP rank adds bias_out to its partial, the reduce-scatter sums them
+    summed = sum(r.astype(np.float32) for _ in range(tp))
+    np.testing.assert_array_equal(hidden.from_kernel(summed[0], 0, dims.H), b.astype(np.float32))
+
+
 def test_replicated_kv_heads_must_agree():
     rng = np.random.default_rng(0)
     q, kv, d, H, tp = 8, 2, 4, 96, 4

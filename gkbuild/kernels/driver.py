@@ -1,0 +1,161 @@
+"""Drive a build's decode and tail the way a serving runtime does, through the twins.
+
+The GK is decode-only: a prompt is fed one token a step (which fills the KV cache). Each step the
+driver builds what a runtime passes to the kernel, per DP replica:
+
+- block tables from one pool of ``num_blocks`` block ids per rank: full-attention layers keep a
+  block for every position; sliding layers keep theirs only while inside the window and free them
+  after (vLLM's hybrid manager), so the pool is reused and the trimmed SWA table is exercised;
+- the trimmed SWA table (the window's blocks) with positions in its frame;
+- absolute positions, the two KV update indices (flat slots), YaRN cos/sin.
+
+Then every rank embeds its tokens, runs the decode step (collectives emulated across ranks when
+the world is larger than 1), gathers the batch for the tail, and the tail samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GkError
+from ..layout import hidden as hidden_layout
+from ..layout.tail import owned_rows
+from ..runtime import Build
+from . import decode, rope, tail
+from .collectives import Emulator, Single
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [B, V] fp32 (the tail's emitted logits, vocab shards joined)
+    tokens: torch.Tensor  # [B] sampled (greedy) tokens
+    hiddens: list[torch.Tensor] | None  # per layer [B, H] fp32 in HF order
+
+
+class _Blocks:
+    """One DP replica's block ids: full and sliding-window lists per sequence, one shared pool."""
+
+    def __init__(self, rows: int, num_blocks: int, block: int, window: int):
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.full: list[list[int]] = [[] for _ in range(rows)]
+        self.swa: list[dict[int, int]] = [{} for _ in range(rows)]  # logical block -> id
+        self.block, self.window = block, window
+
+    def _take(self) -> int:
+        if not self.free:
+            raise GkError("the build's KV budget (num_blocks) is too small for this run; lower the batch or steps")
+        return self.free.pop()
+
+    def advance(self, row: int, pos: int) -> None:
+        """Blocks for a token at ``pos``; free sliding blocks the window has left for good."""
+        lb = pos // self.block
+        if len(self.full[row]) <= lb:
+            self.full[row].append(self._take())
+        if lb not in self.swa[row]:
+            self.swa[row][lb] = self._take()
+        first_visible = max(0, pos - self.window + 1)
+        for b in [b for b in self.swa[row] if (b + 1) * self.block <= first_visible]:
+            self.free.append(self.swa[row].pop(b))
+
+
+class Session:
+    """Decode steps of one build over a batch of sequences, through the torch twins."""
+
+    def __init__(self, build: Build, batch: int, max_len: int):
+        m = build.manifest
+        t = m["topology"]
+        self.m, self.batch = m, batch
+        self.world, self.tp, self.dp, self.vtp = t["world_size"], t["tp"], t["dp"], t["vtp"]
+        if batch % self.world:
+            raise GkError(f"batch {batch} is not a multiple of the {self.world} ranks")
+        self.rows_attn = batch // self.dp
+        self.t_shard = batch // self.world
+        cfg = m["model"]
+        self.L, self.d, self.window = cfg["num_hidden_layers"], cfg["head_dim"], cfg["sliding_window"]
+        self.V, self.H = cfg["vocab_size"], cfg["hidden_size"]
+        self.rope = m["scalars"]["rope"]
+        kv = build.kv_layout()
+        self.block = kv.block_size
+        self.nbf = -(-max_len // self.block)
+        self.num_swa = -(-(self.window - 1) // self.block) + 1
+        experts = m["recipe"]["resolved"]["experts"]
+        hp = m["scalars"]["hidden_padded"]
+        self.weights = [decode.Weights(build.load_rank(r), experts, hp) for r in range(self.world)]
+        self.kv = [build.allocate_kv() for _ in range(self.world)]
+        self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
+        self.blocks = [_Blocks(self.rows_attn, kv.num_blocks, self.block, self.window) for _ in range(self.dp)]
+        self.pos = 0
+        self.hops = len(t["hops"])
+        meshes = t["meshes"]
+        if self.world == 1:
+            self.emulator = None
+        else:
+            groups = {"tp": meshes["tp_replica_group"], "ep": meshes["ep_replica_group"]}
+            groups.update({("hop", i): mesh for i, mesh in enumerate(meshes["tail_hop_meshes"])})
+            self.emulator = Emulator(groups)
+        self.owned = [owned_rows(r % self.vtp, self.vtp, batch, t["hops"], t["a2a_batch_groups"])
+                      for r in range(self.world)]
+        self.k = m["layout"]["tail"]["k"]
+        self.to_hf = torch.from_numpy(hidden_layout.sigma(hp))
+
+    def _control(self, replica: int) -> decode.Control:
+        blocks, bs, pos = self.blocks[replica], self.block, self.pos
+        rows = self.rows_attn
+        for r in range(rows):
+            blocks.advance(r, pos)
+        first_visible = max(0, pos - self.window + 1)
+        start_block = first_visible // bs
+        frame = start_block * bs
+        full = torch.zeros(rows, self.nbf, dtype=torch.int64)
+        swa = torch.zeros(rows, self.num_swa, dtype=torch.int64)
+        for r in range(rows):
+            full[r, :len(blocks.full[r])] = torch.tensor(blocks.full[r])
+            for j in range(self.num_swa):
+                if start_block + j in blocks.swa[r]:
+                    swa[r, j] = blocks.swa[r][start_block + j]
+        lb, off = divmod(pos, bs)
+        upd = torch.tensor([blocks.full[r][lb] * bs + off for r in range(rows)])
+        upd_swa = torch.tensor([blocks.swa[r][lb] * bs + off for r in range(rows)])
+        positions = torch.full((rows,), pos, dtype=torch.int64)
+        cos, sin = rope.tables(positions, self.d, self.rope)
+        swa_start = torch.zeros(self.L, rows, dtype=torch.int64)
+        swa_start[0::2] = first_visible - frame
+        return decode.Control(cos=cos, sin=sin, block_table=full, block_table_swa=swa, pos=positions,
+                              pos_swa=positions - frame, swa_start=swa_start, update_idx=upd, update_idx_swa=upd_swa)
+
+    def step(self, tokens: torch.Tensor, collect_hiddens: bool = False,
+             guide: decode.RoutingGuide | None = None) -> StepResult:
+        """Feed one token per sequence; return the logits for the next one."""
+        if tokens.shape != (self.batch,):
+            raise GkError(f"expected {self.batch} tokens, got {tuple(tokens.shape)}")
+        if self.pos >= self.nbf * self.block:
+            raise GkError(f"the session was sized for {self.nbf * self.block} positions")
+        controls = [self._control(rep) for rep in range(self.dp)]
+        greedy = torch.zeros(self.batch // self.vtp, 3)  # temperature 0: the argmax
+
+        def rank_fn(r, comm):
+            w, sc = self.weights[r], self.scalars[r]
+            mine = tokens[r * self.t_shard:(r + 1) * self.t_shard]
+            x = w.embed[mine].to(torch.float32)
+            hid = [] if collect_hiddens else None
+            x = decode.step(w, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide)
+            everything = comm.all_gather(x, "ep")
+            out = tail.step(everything, w.gamma, w.lm_head_t, comm, self.hops, self.k, sc.eps, sc.hidden_actual,
+                            params=greedy, emit_logits=True)
+            return out, ([comm.all_gather(h, "ep") for h in hid] if hid is not None else None)
+
+        if self.emulator is None:
+            results = [rank_fn(0, Single())]
+        else:
+            results = self.emulator.run(rank_fn)
+        self.pos += 1
+        logits = torch.cat([results[v][0].logits for v in range(self.vtp)], dim=1)
+        sampled = torch.empty(self.batch, dtype=torch.int64)
+        for r in range(self.vtp):
+            sampled[self.owned[r]] = results[r][0].tokens
+        hiddens = None
+        if collect_hiddens:
+            hiddens = [h[:, self.to_hf.argsort()][:, :self.H] for h in results[0][1]]
+        return StepResult(logits, sampled, hiddens)

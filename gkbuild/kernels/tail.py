@@ -1,0 +1,72 @@
+"""The sampling tail for one vocab rank, in plain PyTorch (CONTRACT.md section 4).
+
+    h      = rmsnorm(hidden [gbs, Hp]) * gamma          fp32, over the real hidden size
+    logits = bf16(h) @ lm_head_weight_t [Hp, V_s]        bf16 operands, fp32 accumulation
+    rows   = all-to-all of bf16(logits), hop by hop     -> this rank's rows, the full vocabulary
+    top-k  (k candidates, stable: ties keep the lower token id), then the sampler
+
+Sampler (per owned row, params [top_k, top_p, temperature, (u)]): greedy below temperature 1e-5;
+otherwise keep the first min(top_k, k) candidates (all k when top_k <= 0), softmax at the
+temperature, keep the smallest prefix whose mass reaches top_p, and pick by inverse transform:
+the first candidate whose cumulative mass exceeds u times the kept mass (u defaults to 0.5, the
+kernel's compiled-in draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .decode import rms_norm
+
+GREEDY_BELOW = 1e-5
+DEFAULT_DRAW = 0.5
+
+
+@dataclass
+class TailOut:
+    tokens: torch.Tensor | None  # [rows] (None when no sampling params)
+    topk_values: torch.Tensor  # [rows, k] fp32 (bf16-exact)
+    topk_indices: torch.Tensor  # [rows, k]
+    logits: torch.Tensor | None  # [gbs, V_s] fp32, this rank's vocab slice (emit_logits)
+
+
+def lm_head(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, eps: float, hidden_actual: int):
+    h = rms_norm(hidden, gamma, eps, hidden_actual)
+    return h.to(torch.bfloat16).to(torch.float32) @ w_t.to(torch.float32)
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[..., :k], i[..., :k]
+
+
+def sample(values: torch.Tensor, indices: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Tokens for each row from its sorted candidates and [top_k, top_p, temperature, (u)]."""
+    out = torch.empty(values.shape[0], dtype=torch.int64)
+    for r in range(values.shape[0]):
+        top_k, top_p, temp = (float(x) for x in params[r, :3])
+        u = float(params[r, 3]) if params.shape[1] > 3 else DEFAULT_DRAW
+        if temp < GREEDY_BELOW:
+            out[r] = indices[r, 0]
+            continue
+        n = values.shape[1] if top_k <= 0 else min(int(top_k), values.shape[1])
+        p = torch.softmax(values[r, :n] / temp, dim=0)
+        keep = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor(top_p)).clamp(max=n - 1)) + 1
+        cdf = torch.cumsum(p[:keep], 0)
+        pick = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=keep - 1))
+        out[r] = indices[r, pick]
+    return out
+
+
+def step(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, comm, hops: int, k: int, eps: float,
+         hidden_actual: int, params: torch.Tensor | None = None, emit_logits: bool = True) -> TailOut:
+    """One tail call of this vocab rank; ``hidden`` is the whole batch."""
+    logits = lm_head(hidden, gamma, w_t, eps, hidden_actual)
+    rows = logits.to(torch.bfloat16)
+    for h in range(hops):
+        rows = comm.all_to_all(rows, ("hop", h))
+    values, indices = stable_topk(rows.to(torch.float32), k)
+    tokens = sample(values, indices, params) if params is not None else None
+    return TailOut(tokens, values, indices, logits if emit_logits else None)
