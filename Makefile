@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/gkbuild compile recipes/tiny-cpu.yaml
-	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu
+	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --engine compiled
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -77,13 +77,27 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
 @click.option("--deep", is_flag=True, help="Checkpoints: also read every tensor (NaN scales, non-finite weights).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def inspect(path, as_json, deep, quiet):
-    """Summarize PATH: a build folder (manifest.json), or a checkpoint folder (headers only,
-    unless --deep)."""
+    """Summarize PATH: a build folder (manifest.json), a NEFF file (its header), or a checkpoint
+    folder (headers only, unless --deep)."""
     from .checkpoint.reader import Checkpoint
     from .summary import build_tables, checkpoint_summary, checkpoint_table
 
     if not path.exists():
         raise GkError(f"{path}: no such file or folder")
+    if path.is_file():
+        from .compile import neff
+
+        h = neff.read(path).to_dict()
+        if as_json:
+            click.echo(json.dumps(h, indent=2))
+        else:
+            t = Table(title=f"NEFF {path}", show_header=False, title_justify="left")
+            t.add_column(style="bold")
+            t.add_column()
+            for k, v in h.items():
+                t.add_row(k, str(v))
+            out.print(t)
+        return
     if (path / "manifest.json").exists():
         from .build.check import summary
 
@@ -125,7 +139,8 @@ def _load_plan(recipe_path: Path, overrides, offline_preset: bool = False):
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
 @_set_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def plan(recipe_path, overrides, as_json):
+@click.option("--show-compile", is_flag=True, help="Also print the exact compile invocations of the compile stage.")
+def plan(recipe_path, overrides, as_json, show_compile):
     """Show what RECIPE builds, reading no weights: every file kind with its tensors, shapes,
     dtypes and bytes, how many ranks share each file, bytes per rank and on disk, the KV budget
     and the DMA offset check. The model config comes from the source's config.json (hf:// fetches
@@ -133,11 +148,21 @@ def plan(recipe_path, overrides, as_json):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    compile_lines = []
+    if show_compile:
+        from .compile.stage import invocations
+
+        compile_lines = invocations(p, p.recipe.output_dir())
     if as_json:
-        click.echo(json.dumps(p.to_json(), indent=2))
-    else:
-        for t in plan_tables(p):
-            out.print(t)
+        j = p.to_json()
+        if show_compile:
+            j["compile"] = compile_lines
+        click.echo(json.dumps(j, indent=2))
+        return
+    for t in plan_tables(p):
+        out.print(t)
+    for line in compile_lines:
+        click.echo(line)
 
 
 @cli.command("compile")
@@ -146,16 +171,21 @@ def plan(recipe_path, overrides, as_json):
               help="Build folder (default: the recipe's output, artifacts/<name>).")
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel worker processes (default: the core count).")
 @click.option("--force", is_flag=True, help="Rebuild every stage, ignoring the cache.")
+@click.option("--no-compile", is_flag=True, help="Stop before tracing/compiling: shards, metadata and manifest only.")
+@click.option("--require-neff", is_flag=True, help="Fail (rather than warn) when a trn target's NEFFs cannot be "
+                                                   "compiled because the Neuron SDK is missing.")
 @_set_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
-def compile_cmd(recipe_path, out_dir, jobs, force, overrides, quiet, as_json):
+def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, overrides, quiet, as_json):
     """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
-    and tail layout metadata, and the manifest.
+    and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
+    through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
 
     Stages whose inputs are unchanged are skipped (an unchanged recipe does no work); shards are
     written under temporary names and renamed when complete, so an interrupted build resumes
-    where it stopped.
+    where it stopped. Without the Neuron SDK a trn build records its NEFF stage as skipped and
+    warns; --require-neff makes that an error.
     """
     from .build.pipeline import compile_build
     from .recipe import load
@@ -163,7 +193,8 @@ def compile_cmd(recipe_path, out_dir, jobs, force, overrides, quiet, as_json):
     if jobs is not None and jobs < 1:
         raise GkError(f"--jobs: {jobs} is not a positive number of processes")
     r = load(recipe_path, overrides)
-    res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json)
+    res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
+                        require_neff=require_neff)
     if as_json:
         click.echo(json.dumps(res.summary(), indent=2))
     elif not quiet:
@@ -248,15 +279,17 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed)
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
 @click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
 @click.option("--prompts", "n_prompts", type=int, default=None, help="Sequences (no --golden; default min(4, batch)).")
+@click.option("--engine", type=click.Choice(["twin", "compiled"]), default="twin", show_default=True,
+              help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(build_dir, golden_file, steps, n_prompts, as_json):
+def verify(build_dir, golden_file, steps, n_prompts, engine, as_json):
     """Run BUILD's decode steps through the torch twins (every rank emulated, each seeing only its
     own shards) and compare the logits with the reference model's: NxD-style tolerances on the
     reference's top-5/50/1000/all logits, teacher forcing, near-tie allowances. Exits 1 on a
     mismatch and names the first layer whose hidden state departs."""
     from .verify import run
 
-    rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts)
+    rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts, engine=engine)
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
     else:

@@ -190,6 +190,10 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
         **experts_mx.clamps(cfg.swiglu_limit),
         "k_scale": 1.0 / kvc.k_scale if fp8 else None, "v_scale": 1.0 / kvc.v_scale if fp8 else None,
         "sliding_window": cfg.sliding_window,
+        # block-table widths, compile-time shapes: the full table spans max_context tokens; the
+        # trimmed sliding table the blocks a window of W-1 prior tokens can touch
+        "full_table_blocks": -(-recipe.decode.max_context // kvc.block_size),
+        "swa_table_blocks": -(-(cfg.sliding_window - 1) // kvc.block_size) + 1,
         "rope": {"theta": cfg.rope.theta, "factor": cfg.rope.factor, "beta_fast": cfg.rope.beta_fast,
                  "beta_slow": cfg.rope.beta_slow,
                  "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,

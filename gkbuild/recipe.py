@@ -66,6 +66,7 @@ class KVCache:
 @dataclass
 class Decode:
     batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
+    max_context: int = _f(4096, "longest sequence a step attends to: the full block table's width in tokens")
 
 
 @dataclass
@@ -137,13 +138,17 @@ class Recipe:
         def bad(key: str, value, expected: str) -> typing.NoReturn:
             raise GkError(f"{where}: {key}: {value!r} is not valid; {expected}")
 
-        for key, v in (("topology.tp", t.tp), ("topology.dp", t.dp), ("topology.ep", t.ep),
+        for key, v in (("decode.max_context", self.decode.max_context),
+                       ("topology.tp", t.tp), ("topology.dp", t.dp), ("topology.ep", t.ep),
                        ("topology.vtp", t.vtp), ("topology.a2a_batch_groups", t.a2a_batch_groups),
                        ("kv_cache.block_size", kv.block_size), ("tail.k", self.tail.k)):
             if v < 1:
                 bad(key, v, "expected a positive integer")
         if t.ep != t.world:
             bad("topology.ep", t.ep, f"the EP group spans every rank, so ep must be tp * dp = {t.world}")
+        if self.target not in NEURON_TARGETS and t.world != 1:
+            bad("topology", f"tp {t.tp} x dp {t.dp}", f"{self.target} artifacts run on one device: tp = dp = ep = "
+                                                       f"vtp = 1 (multi-rank topologies are for trn2/trn3)")
         if t.vtp != t.world:
             bad("topology.vtp", t.vtp, f"the tail runs on every rank, so vtp must be the world size {t.world}")
         hops = self.hops

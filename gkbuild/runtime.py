@@ -102,6 +102,32 @@ class Build:
                 out[name] = t
         return out
 
+    def program(self, name: str):
+        """A compiled program (``decode`` or ``tail``) of a cpu/cuda build, loaded only after its
+        bytes, target and torch version are checked against the manifest (it is native code)."""
+        import torch
+
+        from .build.fingerprint import sha256_file
+
+        art = next((a for a in self.manifest["compile"]["artifacts"] if a["name"] == name), None)
+        if art is None or art["path"] is None:
+            raise GkError(f"{self.root}: no compiled {name} program ({self.manifest['compile']['status']})")
+        if art["format"] != "aoti-pt2":
+            raise GkError(f"{self.root}: the {name} program is a {art['format']}; it runs on {art['target']}, not here")
+        p = self.root / art["path"]
+        if not p.is_file():
+            raise GkError(f"{p}: missing (listed in the manifest)")
+        digest = sha256_file(p)
+        if digest != art["sha256"]:
+            raise GkError(f"{p}: refused: sha256 {digest[:16]}... is not the manifest's {art['sha256'][:16]}... "
+                          f"(the file changed since it was built)")
+        if art["compiler"]["version"] != torch.__version__:
+            raise GkError(f"{p}: refused: compiled by torch {art['compiler']['version']}, this is torch "
+                          f"{torch.__version__}")
+        if art["target"] == "cuda" and not torch.cuda.is_available():
+            raise GkError(f"{p}: refused: built for cuda, and no GPU is available here")
+        return torch._inductor.aoti_load_package(str(p))
+
     def kv_layout(self) -> KvLayout:
         kv = self.manifest["layout"]["kv"]
         doc = _read_json(self.root / kv["file"])

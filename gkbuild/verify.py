@@ -122,8 +122,10 @@ def attribute(ours: list[list[list[torch.Tensor]]], ref: torch.Tensor, until: in
     return None, errs
 
 
-def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4) -> Report:
-    """Verify a build against a golden (computed from the build's source when none is given)."""
+def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
+        engine: str = "twin") -> Report:
+    """Verify a build against a golden (computed from the build's source when none is given),
+    running it through the torch twins or (``engine="compiled"``) its compiled programs."""
     from .golden import Golden, checkpoint_hash, default_prompts, for_checkpoint
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
@@ -148,7 +150,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if T > 0 and g.logits.shape[-1] != m["model"]["vocab_size"]:
         raise GkError("the golden's vocabulary does not match the build's model")
     rows = torch.arange(batch) % P  # every row of the batch runs one of the golden's sequences
-    session = Session(build, batch, max_len=T)
+    session = Session(build, batch, max_len=T, engine=engine)
     kv = "fp8" if m["layout"]["kv"]["dtype"].startswith("fp8") else "bf16"
     ours = torch.empty(P, T, g.logits.shape[-1])
     hid = [[None] * T for _ in range(P)]

@@ -15,7 +15,7 @@ from tests.conftest import RECIPES
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("rt") / "topo"
-    compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=out, quiet=True)
+    compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
     return out
 
 

@@ -306,15 +306,17 @@ class _Build:
                               "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
         self.report("layout", not cached, t0, ", ".join(docs))
 
-    def compile(self, compile_stage) -> None:
+    def compile(self, enabled: bool, require_neff: bool) -> None:
         t0 = time.perf_counter()
-        if compile_stage is None:
-            self.compile_entry = {"status": "pending", "reason": "trace/compile stage not run", "artifacts": []}
-            self.keys["compile"] = key("compile", "pending")
-            self.reports.append(StageReport("compile", "pending", 0.0, "trace/compile stage not run"))
+        if not enabled:
+            self.compile_entry = {"status": "skipped: not requested (--no-compile)", "artifacts": []}
+            self.keys["compile"] = key("compile", "not requested")
+            self.reports.append(StageReport("compile", "skipped", 0.0, "--no-compile"))
             return
-        self.compile_entry, self.keys["compile"], status, detail = compile_stage(self.plan_, self.out, self.state,
-                                                                                  self.progress)
+        from ..compile import stage
+
+        self.compile_entry, self.keys["compile"], status, detail = stage.run(self.plan_, self.out, self.state,
+                                                                             self.progress, require_neff)
         self.reports.append(StageReport("compile", status, time.perf_counter() - t0, detail))
 
     def manifest(self) -> dict:
@@ -351,8 +353,9 @@ class _Build:
 
 
 def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
-                  quiet: bool = False, compile_stage=None) -> BuildResult:
-    """Run every stage of a build into ``out`` (default: the recipe's output folder)."""
+                  quiet: bool = False, compile: bool = True, require_neff: bool = False) -> BuildResult:
+    """Run every stage of a build into ``out`` (default: the recipe's output folder). ``compile``
+    False stops after the layout metadata (shards, metadata and manifest only)."""
     t0 = time.perf_counter()
     out = Path(out) if out else recipe.output_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -363,6 +366,6 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
         b.plan()
         b.shards()
         b.layout()
-        b.compile(compile_stage)
+        b.compile(compile, require_neff)
         m = b.manifest()
     return BuildResult(out, b.reports, m, b.written, b.nbytes, time.perf_counter() - t0)

@@ -61,9 +61,10 @@ class _Blocks:
 
 
 class Session:
-    """Decode steps of one build over a batch of sequences, through the torch twins."""
+    """Decode steps of one build over a batch of sequences: through the torch twins (any topology,
+    emulated), or (``engine="compiled"``) through the build's compiled programs (world size 1)."""
 
-    def __init__(self, build: Build, batch: int, max_len: int):
+    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin"):
         m = build.manifest
         t = m["topology"]
         self.m, self.batch = m, batch
@@ -78,11 +79,13 @@ class Session:
         self.rope = m["scalars"]["rope"]
         kv = build.kv_layout()
         self.block = kv.block_size
-        self.nbf = -(-max_len // self.block)
-        self.num_swa = -(-(self.window - 1) // self.block) + 1
-        experts = m["recipe"]["resolved"]["experts"]
+        self.nbf = m["scalars"]["full_table_blocks"]
+        self.num_swa = m["scalars"]["swa_table_blocks"]
+        if max_len > self.nbf * self.block:
+            raise GkError(f"{max_len} positions exceed the build's decode.max_context of {self.nbf * self.block}")
         hp = m["scalars"]["hidden_padded"]
-        self.weights = [decode.Weights(build.load_rank(r), experts, hp) for r in range(self.world)]
+        self.tensors = [build.load_rank(r) for r in range(self.world)]
+        self.memo: list[dict] = [{} for _ in range(self.world)]  # dequantized experts, per rank
         self.kv = [build.allocate_kv() for _ in range(self.world)]
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
         self.blocks = [_Blocks(self.rows_attn, kv.num_blocks, self.block, self.window) for _ in range(self.dp)]
@@ -99,6 +102,11 @@ class Session:
                       for r in range(self.world)]
         self.k = m["layout"]["tail"]["k"]
         self.to_hf = torch.from_numpy(hidden_layout.sigma(hp))
+        self.engine = engine
+        if engine == "compiled":
+            if self.world != 1:
+                raise GkError("the compiled engine runs world-size-1 builds; verify a multi-rank build with the twins")
+            self.programs = {a["name"]: (build.program(a["name"]), a["inputs"]) for a in m["compile"]["artifacts"]}
 
     def _control(self, replica: int) -> decode.Control:
         blocks, bs, pos = self.blocks[replica], self.block, self.pos
@@ -131,22 +139,24 @@ class Session:
         if tokens.shape != (self.batch,):
             raise GkError(f"expected {self.batch} tokens, got {tuple(tokens.shape)}")
         if self.pos >= self.nbf * self.block:
-            raise GkError(f"the session was sized for {self.nbf * self.block} positions")
+            raise GkError(f"position {self.pos} is past the build's decode.max_context of {self.nbf * self.block}")
         controls = [self._control(rep) for rep in range(self.dp)]
         greedy = torch.zeros(self.batch // self.vtp, 3)  # temperature 0: the argmax
 
         def rank_fn(r, comm):
-            w, sc = self.weights[r], self.scalars[r]
+            t, sc = self.tensors[r], self.scalars[r]
             mine = tokens[r * self.t_shard:(r + 1) * self.t_shard]
-            x = w.embed[mine].to(torch.float32)
+            x = t["embed_tokens"][mine].to(torch.float32)
             hid = [] if collect_hiddens else None
-            x = decode.step(w, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide)
+            x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo[r])
             everything = comm.all_gather(x, "ep")
-            out = tail.step(everything, w.gamma, w.lm_head_t, comm, self.hops, self.k, sc.eps, sc.hidden_actual,
-                            params=greedy, emit_logits=True)
+            out = tail.step(everything, t["gamma"], t["lm_head_weight_t"], comm, self.hops, self.k, sc.eps,
+                            sc.hidden_actual, params=greedy, emit_logits=True)
             return out, ([comm.all_gather(h, "ep") for h in hid] if hid is not None else None)
 
-        if self.emulator is None:
+        if self.engine == "compiled":
+            results = [self._compiled(tokens, controls[0], greedy, collect_hiddens)]
+        elif self.emulator is None:
             results = [rank_fn(0, Single())]
         else:
             results = self.emulator.run(rank_fn)
@@ -159,3 +169,26 @@ class Session:
         if collect_hiddens:
             hiddens = [h[:, self.to_hf.argsort()][:, :self.H] for h in results[0][1]]
         return StepResult(logits, sampled, hiddens)
+
+    def _compiled(self, tokens, ctl: decode.Control, params, collect_hiddens: bool):
+        """One step through the compiled decode and tail programs, arguments in signature order."""
+        t, kv = self.tensors[0], self.kv[0]
+        x = t["embed_tokens"][tokens].to(torch.float32)
+        program, inputs = self.programs["decode"]
+        args = []
+        for i in inputs:
+            n = i["name"]
+            if n == "x":
+                args.append(x)
+            elif i["kind"] == "control":
+                args.append(getattr(ctl, n))
+            elif i["kind"] == "weight":
+                args.append(t[n])
+            else:  # K_cache_<g> / V_cache_<g>: the buffers the program updates in place
+                g = int(n.rsplit("_", 1)[1])
+                args.append(kv.k(g) if n.startswith("K_") else kv.v(g))
+        x, hidden = program(*args)
+        tail_program, _ = self.programs["tail"]
+        tokens_out, values, indices, *logits = tail_program(x, params, t["gamma"], t["lm_head_weight_t"])
+        out = tail.TailOut(tokens_out, values, indices, logits[0] if logits else None)
+        return out, (list(hidden.unbind(0)) if collect_hiddens else None)

@@ -44,20 +44,20 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sample(values: torch.Tensor, indices: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Tokens for each row from its sorted candidates and [top_k, top_p, temperature, (u)]."""
-    out = torch.empty(values.shape[0], dtype=torch.int64)
-    for r in range(values.shape[0]):
-        top_k, top_p, temp = (float(x) for x in params[r, :3])
-        u = float(params[r, 3]) if params.shape[1] > 3 else DEFAULT_DRAW
-        if temp < GREEDY_BELOW:
-            out[r] = indices[r, 0]
-            continue
-        n = values.shape[1] if top_k <= 0 else min(int(top_k), values.shape[1])
-        p = torch.softmax(values[r, :n] / temp, dim=0)
-        keep = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor(top_p)).clamp(max=n - 1)) + 1
-        cdf = torch.cumsum(p[:keep], 0)
-        pick = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=keep - 1))
-        out[r] = indices[r, pick]
-    return out
+    n = values.shape[1]
+    top_k, top_p, temp = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+    u = params[:, 3:4] if params.shape[1] > 3 else torch.full_like(top_p, DEFAULT_DRAW)
+    rank = torch.arange(n, device=values.device)[None, :]
+    keep_k = rank < torch.where(top_k > 0, top_k.clamp(max=n), torch.full_like(top_k, n))
+    logits = (values / temp.clamp(min=GREEDY_BELOW)).masked_fill(~keep_k, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    cum = torch.cumsum(p, dim=-1)
+    keep_p = (cum - p) < top_p  # the smallest prefix whose mass reaches top_p
+    p = p.masked_fill(~keep_p, 0.0)
+    cdf = torch.cumsum(p, dim=-1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=n - 1)
+    pick = torch.where(temp < GREEDY_BELOW, torch.zeros_like(pick), pick)
+    return indices.gather(1, pick).squeeze(1)
 
 
 def step(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, comm, hops: int, k: int, eps: float,

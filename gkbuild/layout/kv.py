@@ -133,13 +133,15 @@ def unpack_block(p):
     return p.swapaxes(-1, -2).reshape(*lead, half * 2, d)
 
 
-def write_k(k_half: np.ndarray, block: int, token: int, k: np.ndarray, packed: bool) -> None:
-    """Store one token's K [kv, d] at (block, token) of a buffer's K half (in place)."""
+def write_k(k_half, block, token, k, packed: bool) -> None:
+    """Store K [..., kv, d] of tokens at (block, token) of a buffer's K half, in place. ``block``
+    and ``token`` are ints or index arrays of one shape (numpy or torch)."""
     if packed:
         k_half[block, :, token // 2, :, token % 2] = k
     else:
         k_half[block, :, token, :] = k
 
 
-def read_k(k_half: np.ndarray, block: int, token: int, packed: bool) -> np.ndarray:
+def read_k(k_half, block, token, packed: bool):
+    """K [..., kv, d] of tokens at (block, token); the inverse of :func:`write_k`."""
     return k_half[block, :, token // 2, :, token % 2] if packed else k_half[block, :, token, :]

@@ -1,0 +1,105 @@
+"""The compile stage of a build: trace the decode and tail programs and compile them.
+
+cpu / cuda targets: the inductor backend (``compiled/{decode,tail}.pt2``). trn2 / trn3: the neuron
+backend (``compiled/{decode,tail}.neff``); without the Neuron SDK that part is recorded as
+``skipped: Neuron SDK not installed`` and a warning says so (``require_neff`` makes it an error).
+
+The stage's key is the compiler (name, version), its flags, the programs' signatures and scalars
+and the gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph
+inputs, so new weights of the same shapes reuse the artifacts; a new compiler recompiles.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .. import __version__
+from ..build.fingerprint import sha256_file
+from ..build.state import key
+from ..errors import GkError
+from ..kernels.decode import Scalars
+from ..progress import warn
+from . import inductor, neff, neuron, signature
+from .programs import DecodeProgram, TailProgram
+
+OUT = "compiled"
+
+
+def signatures(plan) -> list[signature.Signature]:
+    return [signature.decode(plan), signature.tail(plan)]
+
+
+def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, flags: list[str],
+           status: str) -> dict:
+    e = {"name": sig.program, "format": fmt, "path": path, "size": None, "sha256": None, "target": target,
+         "compiler": comp, "flags": flags, "inputs": [i.to_dict() for i in sig.inputs], "outputs": list(sig.outputs),
+         "status": status}
+    if path and (out / path).exists():
+        e["size"], e["sha256"] = (out / path).stat().st_size, sha256_file(out / path)
+    if sig.program == "decode":
+        e["kv_update"] = "in-place: the program writes the new token's K/V into the K/V buffers it is given"
+    return e
+
+
+def run(plan, out: Path, state, progress, require_neff: bool = False):
+    """(manifest compile entry, stage key, status, detail) for the compile stage."""
+    r = plan.recipe
+    sigs = signatures(plan)
+    if r.backend == "inductor":
+        backend, fmt, suffix = inductor, "aoti-pt2", "pt2"
+        flags = inductor.flags(r.target, r.decode.batch_sizes)
+        unavailable = inductor.available(r.target)
+    else:
+        backend, fmt, suffix = neuron, "neff", "neff"
+        flags = neuron.flags(r)
+        unavailable = neuron.sdk()
+    comp = backend.compiler()
+    k = key("compile", r.backend, comp, flags, [[i.to_dict() for i in s.inputs] for s in sigs], plan.scalars,
+            asdict(r.tail), r.compile.nki_library if r.backend == "neuron" else None, unavailable, __version__)
+    paths = {s.program: f"{OUT}/{s.program}.{suffix}" for s in sigs}
+    if unavailable:
+        status = f"skipped: {unavailable}"
+        if r.backend == "neuron" and require_neff:
+            raise GkError(f"--require-neff: {unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
+                          f"from the Neuron repository) on a Trainium host")
+        warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
+             f"the {r.backend} stage as skipped)")
+        entries = [_entry(s, fmt, None, out, r.target, comp, flags, status) for s in sigs]
+        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
+    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
+    t0 = time.perf_counter()
+    if not cached:
+        progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
+        for s in sigs:
+            if r.backend == "inductor":
+                inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.program])
+            else:
+                neuron.build(plan, s, out)
+    entries = [_entry(s, fmt, paths[s.program], out, r.target, comp, flags, "ok") for s in sigs]
+    if r.backend == "neuron":
+        for e in entries:
+            e["neff"] = neff.read(out / e["path"]).to_dict()
+    detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
+    return {"status": "ok", "backend": r.backend, "artifacts": entries}, k, "cached" if cached else "ran", detail
+
+
+def _program(plan, sig):
+    if sig.program == "decode":
+        return DecodeProgram(sig, Scalars.from_plan(plan, ep_rank=0))
+    s = plan.scalars
+    return TailProgram(plan.recipe.tail.k, s["eps"], s["hidden_actual"], plan.recipe.tail.emit_logits)
+
+
+def invocations(plan, out: Path) -> list[str]:
+    """What the compile stage will run for this plan, one line a program (``plan --show-compile``):
+    the neuronx-cc command line, or the in-process AOTInductor compile and its flags."""
+    import shlex
+
+    r = plan.recipe
+    if r.backend == "neuron":
+        return [shlex.join(neuron.invocation(s.program, r, out)) for s in signatures(plan)]
+    return [f"torch.export.export({type(_program(plan, s)).__name__}) -> torch._inductor.aoti_compile_and_package "
+            f"-> {out / OUT}/{s.program}.pt2  [{' '.join(inductor.flags(r.target, r.decode.batch_sizes))}]"
+            for s in signatures(plan)]
