@@ -19,6 +19,12 @@ if not out.is_terminal:  # piped or captured: tables keep their columns instead 
     out = Console(width=160)
 
 
+def codec_level() -> int:
+    from .publish.codec import LEVEL
+
+    return LEVEL
+
+
 def _parse_size(text: str) -> int:
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
     t = text.strip().lower()
@@ -41,6 +47,7 @@ def cli():
       gkbuild plan recipes/tiny-cpu.yaml     # what a recipe builds, before reading weights
       gkbuild compile recipes/tiny-cpu.yaml  # build it into artifacts/tiny-cpu
       gkbuild check artifacts/tiny-cpu       # every byte against the manifest
+      gkbuild publish artifacts/tiny-cpu --to STORE; gkbuild fetch STORE --to DIR
     """
 
 
@@ -318,6 +325,140 @@ def _print_verify(rep) -> None:
     if rep.layer_errors:
         out.print("hidden-state relative error by layer where the first departure shows: "
                   + ", ".join(f"L{i}: {e:.3g}" for i, e in enumerate(rep.layer_errors)))
+
+
+@cli.command()
+@click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
+@click.option("--to", "dest", required=True, metavar="DEST",
+              help="A folder (local or a mounted artifact store) or hf://ORG/NAME[@BRANCH].")
+@click.option("--level", type=click.IntRange(1, 19), default=codec_level(), show_default=True,
+              help="zstd level for files that compress (decided per file from a sample).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files stored in parallel (default: cores).")
+@click.option("--prune", is_flag=True, help="Folder stores: delete blobs the new index no longer references "
+              "(a fetch of the previous build running at the same time would then fail).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
+    """Publish BUILD to DEST: every file hashed against the manifest as it is stored, compressed
+    with zstd where that pays, content the store already holds skipped, then the publish index
+    written in one step (one commit on the hub), so nobody sees half a build.
+
+    \b
+      gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
+      gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
+    """
+    from .publish.publish import publish as run
+
+    rep = run(build_dir, dest, level=level, jobs=jobs, prune=prune, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+        return
+    if not quiet:
+        _print_store_table(rep["entries"], f"published {rep['name']} -> {rep['where']}")
+    from .summary import human_bytes
+
+    what = ("already published: nothing uploaded" if rep["already"] else
+            f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
+            f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
+    note(f"{what}; build {rep['build_id'][:16]}", quiet)
+
+
+def _print_store_table(entries: list[dict], title: str) -> None:
+    from .summary import human_bytes
+
+    kinds: dict[str, list] = {}
+    for e in entries:
+        kind = e["path"].split("/")[0] + "/" + e["path"].split("/")[-1].split("-")[0].split(".")[0]
+        k = kinds.setdefault(kind, [0, 0, 0, set()])
+        k[0] += 1
+        k[1] += e["size"]
+        k[2] += e["stored_size"]
+        k[3].add(e["encoding"])
+    t = Table(title=title, title_justify="left")
+    for c in ("files", "count", "bytes", "stored", "ratio", "encoding"):
+        t.add_column(c, justify="left" if c in ("files", "encoding") else "right")
+    for kind, (n, size, stored, enc) in sorted(kinds.items()):
+        t.add_row(kind, str(n), human_bytes(size), human_bytes(stored), f"{stored / max(size, 1):.3f}",
+                  ", ".join(sorted(enc)))
+    out.print(t)
+
+
+@cli.command()
+@click.argument("src", metavar="SRC")
+@click.option("--to", "dest", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="Folder to fetch into (new, empty, or an interrupted fetch to resume).")
+@click.option("--expect", metavar="BUILD_ID", default=None,
+              help="Refuse unless the store holds this build (its id, or a prefix of at least 12 hex digits).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files fetched in parallel.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def fetch(src, dest, expect, jobs, quiet, as_json):
+    """Fetch the build published at SRC (a folder or hf://ORG/NAME[@REVISION]) into DIR.
+
+    Every file is decompressed as it streams in and moved into place only once its sha256 matches
+    the manifest; the manifest is written last. Refused with one line, leaving only verified
+    files: a hash mismatch, a path escaping DIR, a file the manifest does not list, data larger
+    than declared, an unknown index or manifest version. Run it again to resume."""
+    from .publish.fetch import fetch as run
+    from .summary import human_bytes
+
+    rep = run(src, dest, expect=expect, jobs=jobs, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+    elif rep["already"]:
+        note(f"{dest} already holds build {rep['build_id'][:16]}; nothing fetched", quiet)
+    else:
+        note(f"fetched build {rep['build_id'][:16]} into {dest}: {rep['fetched_files']} files "
+             f"({human_bytes(rep['fetched_bytes'])}, {human_bytes(rep['stored_bytes'])} transferred), "
+             f"{rep['reused_files']} already verified; every file matches the manifest", quiet)
+
+
+@cli.command()
+@click.argument("a", metavar="BUILD_A")
+@click.argument("b", metavar="BUILD_B")
+@click.option("--json", "as_json", is_flag=True, help="Print the difference as JSON.")
+def diff(a, b, as_json):
+    """What changed from BUILD_A to BUILD_B (build folders, or stores: a published folder or
+    hf://...): recipe keys, source, tool and compiler versions, files, and the ranks whose files
+    changed. Exits 0 when the builds are identical, 1 when they differ."""
+    from .publish.diff import diff as run, load
+
+    d = run(load(a), load(b))
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+    else:
+        _print_diff(d)
+    if not d["identical"]:
+        sys.exit(1)
+
+
+def _print_diff(d: dict) -> None:
+    out.print(f"A: {d['a']['name']} build {d['a']['build_id'][:16]}\nB: {d['b']['name']} build {d['b']['build_id'][:16]}")
+    if d["identical"]:
+        out.print("identical builds")
+        return
+    for section in ("recipe", "source", "source_files", "tools", "compile"):
+        if d[section]:
+            t = Table(title=section.replace("_", " "), title_justify="left")
+            for c in ("key", "A", "B"):
+                t.add_column(c)
+            for c in d[section]:
+                t.add_row(c["key"], json.dumps(c["a"]), json.dumps(c["b"]))
+            out.print(t)
+    f = d["files"]
+    if f["changed"] or f["added"] or f["removed"]:
+        t = Table(title="files", title_justify="left")
+        for c in ("change", "path", "bytes A", "bytes B"):
+            t.add_column(c)
+        for c in f["changed"]:
+            t.add_row("changed", c["path"], str(c["a"]), str(c["b"]))
+        for p in f["added"]:
+            t.add_row("added", p, "", "")
+        for p in f["removed"]:
+            t.add_row("removed", p, "", "")
+        out.print(t)
+    r = d["ranks"]
+    out.print(f"ranks whose files changed: {r['changed']} of {r['of']}" + (f" ({r['which']})" if r["which"] else ""))
 
 
 @cli.command("recipe-doc")

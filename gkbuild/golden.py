@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,9 @@ class Golden:
         meta = {"format": FORMAT, "prompt_len": str(self.prompt_len), "meta": json.dumps(self.meta, sort_keys=True)}
         save_file({"token_ids": self.token_ids.contiguous(), "logits": self.logits.contiguous(),
                    "hidden": self.hidden.contiguous(), "routing": self.routing.contiguous()}, str(tmp), metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it owner-only; a golden is shared like any output
         tmp.replace(path)
         fsync_dir(path.parent)
 

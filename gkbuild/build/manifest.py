@@ -102,31 +102,34 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
 
 def write(path: Path, m: dict) -> None:
     """The manifest goes last and atomically: its presence says the build is complete."""
-    import os
+    from .state import write_bytes_atomic
 
-    from ..checkpoint.safetensors_io import fsync_dir
-
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as f:
-        f.write(canonical(m))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_bytes_atomic(path, canonical(m))
 
 
 def load(build_dir: Path) -> dict:
     """Read a build's manifest, refusing a schema version this gkbuild does not know."""
     p = Path(build_dir) / NAME
     try:
-        m = json.loads(p.read_text())
+        data = p.read_bytes()
     except FileNotFoundError:
         raise GkError(f"{build_dir}: no {NAME} (not a build folder, or the build did not finish)") from None
+    return parse(data, str(p))
+
+
+def parse(data: bytes, where: str) -> dict:
+    """A manifest from its bytes: JSON, a schema version this gkbuild knows, the schema, and a
+    ``build_id`` that is the hash of the rest (so no field was edited after the build)."""
+    try:
+        m = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GkError(f"{p}: not valid JSON ({e})") from None
+        raise GkError(f"{where}: not valid JSON ({e})") from None
     v = m.get("schema_version") if isinstance(m, dict) else None
     if v != SCHEMA_VERSION:
-        raise GkError(f"{p}: schema_version {v!r} is not supported by gkbuild {__version__} "
+        raise GkError(f"{where}: schema_version {v!r} is not supported by gkbuild {__version__} "
                       f"(supports {SCHEMA_VERSION}); use a matching gkbuild")
-    validate(m, str(p))
+    validate(m, where)
+    if m["build_id"] != build_id(m):
+        raise GkError(f"{where}: build_id {m['build_id'][:16]} is not the hash of the manifest's content "
+                      f"(edited after the build?)")
     return m

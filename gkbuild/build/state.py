@@ -21,17 +21,24 @@ def key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
-    """Canonical JSON (sorted keys: byte-identical for identical content), fsynced, renamed."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """``data`` under ``path`` all at once: written beside it, fsynced, renamed, the folder synced."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    data = (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
+    """Canonical JSON (sorted keys: byte-identical for identical content), written atomically."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
 
 
 class State:

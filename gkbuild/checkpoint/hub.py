@@ -7,10 +7,12 @@ weight files the index names (the hub repos also carry ``original/`` and ``metal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import GkError
 from .reader import INDEX, SINGLE
@@ -35,28 +37,38 @@ def parse(uri: str) -> HubRef:
     return HubRef(m["repo"], m["rev"] or "main")
 
 
-def _download(ref: HubRef, patterns: list[str]) -> Path:
-    from huggingface_hub import snapshot_download
+@contextlib.contextmanager
+def errors(uri: str, revision: str) -> Iterator[None]:
+    """huggingface_hub's exceptions as one line naming the repo and what to do."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
-        return Path(snapshot_download(repo_id=ref.repo, revision=ref.revision, allow_patterns=patterns))
+        yield
     except GatedRepoError:
-        raise GkError(f"{ref.uri}: the repository is gated; accept its terms on the hub and log in "
+        raise GkError(f"{uri}: the repository is gated; accept its terms on the hub and log in "
                       f"(huggingface-cli login or HF_TOKEN)") from None
     except RevisionNotFoundError:
-        raise GkError(f"{ref.uri}: revision {ref.revision!r} does not exist on the hub") from None
+        raise GkError(f"{uri}: revision {revision!r} does not exist on the hub") from None
     except RepositoryNotFoundError:
-        raise GkError(f"{ref.uri}: repository not found on the hub (or not visible with your token)") from None
+        raise GkError(f"{uri}: repository not found on the hub (or not visible with your token)") from None
     except LocalEntryNotFoundError:
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
-        raise GkError(f"{ref.uri}: revision {ref.revision!r} is not in the local HF cache "
+        raise GkError(f"{uri}: revision {revision!r} is not in the local HF cache "
                       f"({constants.HF_HUB_CACHE}) and the hub is unreachable{offline}; download it where "
                       f"the hub is reachable or point HF_HUB_CACHE at a cache that has it") from None
+    except HfHubHTTPError as e:
+        raise GkError(f"{uri}: the hub refused the request: {str(e).splitlines()[0]}") from None
     except OSError as e:
-        raise GkError(f"{ref.uri}: download failed: {e}") from None
+        raise GkError(f"{uri}: hub request failed: {e}") from None
+
+
+def _download(ref: HubRef, patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+
+    with errors(ref.uri, ref.revision):
+        return Path(snapshot_download(repo_id=ref.repo, revision=ref.revision, allow_patterns=patterns))
 
 
 def fetch_config(uri: str) -> Path:

@@ -1,0 +1,94 @@
+"""gkbuild publish + fetch (issue 7) of the 120b-shaped build, against `cp -r` of the same bytes.
+
+The gpt-oss-120b trn2 recipe on synth://gpt-oss-120b?layers=N is built once (outside the clock);
+then, --repeat times, alternating: `cp -r` of the build folder + sync (the baseline: same bytes,
+same disk, flushed, since publish and fetch fsync), `gkbuild publish` into a fresh folder store,
+`gkbuild fetch` of that store into a fresh folder. Medians; peak RSS of the largest process;
+the stored/raw ratio per file kind from the publish report; a no-op republish.
+
+    .venv/bin/python bench/bench_publish.py [--layers 2] [--repeat 3] [--dir /tmp/gkbench-pub]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import cp_then_sync, gib, median, run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GK = str(Path(sys.executable).with_name("gkbuild"))
+
+
+def kind(path: str) -> str:
+    """weights/expert-017.safetensors -> weights/expert"""
+    head, name = path.split("/", 1) if "/" in path else ("", path)
+    return f"{head}/{name.split('-')[0].split('.')[0]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/gkbench-pub")
+    a = ap.parse_args()
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    os.environ["GKBUILD_CACHE"] = str(d / "cache")
+    build = d / "build"
+    run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out",
+         str(d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1")])
+    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q",
+         "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"])
+    shutil.rmtree(d / "cache" / "synth")  # only the build is needed from here on
+    size = sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    cps, pubs, fetches, rss_pub, rss_fetch = [], [], [], 0, 0
+    for _ in range(a.repeat):
+        for p in ("copy", "store", "got"):
+            shutil.rmtree(d / p, ignore_errors=True)
+        cps.append(cp_then_sync(str(build), str(d / "copy"))[0])
+        shutil.rmtree(d / "copy")
+        t, r = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
+        pubs.append(t)
+        rss_pub = max(rss_pub, r)
+        t, r = run([GK, "fetch", str(d / "store"), "--to", str(d / "got"), "-q"])
+        fetches.append(t)
+        rss_fetch = max(rss_fetch, r)
+    again, _ = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
+    rep = json.loads(subprocess.run([GK, "publish", str(build), "--to", str(d / "store"), "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    stored = sum(p.stat().st_size for p in (d / "store").rglob("*") if p.is_file())
+    cp = median(cps)
+    print(f"build: {a.layers} layers, {gib(size)} in {sum(1 for _ in build.rglob('*.safetensors'))} shards; "
+          f"store {gib(stored)}\n")
+    print("| step | seconds | GB/s | ratio to cp -r + sync | peak RSS |")
+    print("|---|---|---|---|---|")
+    print(f"| cp -r + sync | {cp:.2f} | {size / cp / 1e9:.2f} | 1.00x | |")
+    print(f"| publish (folder store) | {median(pubs):.2f} | {size / median(pubs) / 1e9:.2f} | "
+          f"{median(pubs) / cp:.2f}x | {gib(rss_pub)} |")
+    print(f"| fetch (verify, decompress) | {median(fetches):.2f} | {size / median(fetches) / 1e9:.2f} | "
+          f"{median(fetches) / cp:.2f}x | {gib(rss_fetch)} |")
+    print(f"| publish again (no-op) | {again:.2f} | | {again / cp:.2f}x | |")
+    kinds: dict[str, list[int]] = {}
+    for e in rep["entries"]:
+        k = kinds.setdefault(kind(e["path"]), [0, 0, 0, 0])
+        k[0] += 1
+        k[1] += e["size"]
+        k[2] += e["stored_size"]
+        k[3] += e["encoding"] == "zstd"
+    print("\n| file kind | files | bytes | stored | stored/raw | zstd files |")
+    print("|---|---|---|---|---|---|")
+    for name, (n, raw, st, z) in sorted(kinds.items()):
+        print(f"| {name} | {n} | {raw / 2**20:.1f} MiB | {st / 2**20:.1f} MiB | {st / raw:.3f} | {z} |")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

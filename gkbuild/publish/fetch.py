@@ -1,0 +1,188 @@
+"""``gkbuild fetch``: a published build into a folder a runtime can trust.
+
+Nothing reaches its final name until its bytes hash to what the manifest says; the manifest is
+written last, so a folder with ``manifest.json`` is a complete, verified build. Refused, with
+nothing unverified left behind: a hash or size that differs, a path that would leave the folder
+(``..``, absolute, through a symlink), a file the manifest does not list (or one it lists that the
+store lacks), data that decodes past its declared size, an index or manifest of an unknown
+version, a manifest edited after its build. Verified files are recorded as they land
+(``.gkbuild/fetch.json``), so an interrupted fetch resumes without downloading them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..build import manifest as mf
+from ..build.state import STATE_DIR, write_bytes_atomic, write_json_atomic
+from ..checkpoint.safetensors_io import fsync_dir
+from ..errors import GkError
+from ..progress import bar
+from . import codec, index
+from .stores import open_store
+
+RECORD = f"{STATE_DIR}/fetch.json"
+MAX_MANIFEST = 64 << 20
+
+
+def read_manifest(store) -> tuple[dict, dict, bytes]:
+    """(index, manifest, manifest bytes) of a store, each checked: versions, the manifest's hash
+    against the index, the build id against the content, and the index against the manifest."""
+    raw = store.read_index()
+    if raw is None:
+        raise GkError(f"{store.uri}: no {index.NAME} (not a gkbuild store, or nothing published there yet)")
+    idx = index.parse(raw, f"{store.uri}/{index.NAME}")
+    e = idx["manifest"]
+    where = f"{store.uri}/{e['blob']} (the manifest)"
+    if e["size"] > MAX_MANIFEST:
+        raise GkError(f"{where}: declares {e['size']} bytes; a manifest is never that large")
+    buf = io.BytesIO()
+    with store.open_blob(e["blob"]) as f:
+        got = codec.decode(f, buf, e["encoding"], e["size"], e["stored_size"], where)
+    if got != e["sha256"]:
+        raise GkError(f"{where}: sha256 {got[:16]} differs from the index's {e['sha256'][:16]}")
+    m = mf.parse(buf.getvalue(), where)
+    if m["build_id"] != idx["build_id"]:
+        raise GkError(f"{store.uri}: the index is for build {idx['build_id'][:16]}, its manifest is "
+                      f"build {m['build_id'][:16]}")
+    listed = {f["path"]: f for f in m["files"]}
+    for f in idx["files"]:
+        g = listed.get(f["path"])
+        if g is None:
+            raise GkError(f"{store.uri}: {f['path']} is not listed in the manifest; refused")
+        if (g["size"], g["sha256"]) != (f["size"], f["sha256"]):
+            raise GkError(f"{store.uri}: the index and the manifest disagree on {f['path']}")
+    missing = sorted(listed.keys() - {f["path"] for f in idx["files"]})
+    if missing:
+        raise GkError(f"{store.uri}: the store lacks {missing[0]} (and {len(missing) - 1} more) the manifest lists")
+    for p in listed:
+        index.safe_path(p, f"{store.uri} manifest")
+    return idx, m, buf.getvalue()
+
+
+def _inside(dest: Path, rel: str) -> Path:
+    """``dest/rel``, refusing if a folder on the way is a symlink or not a folder."""
+    p = dest
+    for part in rel.split("/")[:-1]:
+        p = p / part
+        if os.path.islink(p) or (p.exists() and not p.is_dir()):
+            raise GkError(f"{p}: is a symlink or not a folder; refusing to write {rel} through it")
+    target = dest / rel
+    if os.path.islink(target):
+        raise GkError(f"{target}: is a symlink; refused")
+    return target
+
+
+class _Record:
+    """Files verified into ``dest`` so far: path -> [size, mtime_ns, sha256], for one build."""
+
+    def __init__(self, dest: Path, build_id: str):
+        self.path = dest / RECORD
+        self.build_id = build_id
+        self.lock = threading.Lock()
+        try:
+            data = json.loads(self.path.read_text())
+            self.files = data["files"] if isinstance(data.get("files"), dict) else {}
+            self.previous_build = data.get("build_id")
+        except (FileNotFoundError, ValueError, AttributeError, KeyError):
+            self.files, self.previous_build = {}, None
+
+    def intact(self, dest: Path, rel: str, sha256: str) -> bool:
+        r = self.files.get(rel)
+        if not r or r[2] != sha256:
+            return False
+        try:
+            st = os.lstat(dest / rel)
+        except FileNotFoundError:
+            return False
+        return [st.st_size, st.st_mtime_ns] == r[:2]
+
+    def add(self, dest: Path, rel: str, sha256: str) -> None:
+        st = os.stat(dest / rel)
+        with self.lock:
+            self.files[rel] = [st.st_size, st.st_mtime_ns, sha256]
+            write_json_atomic(self.path, {"build_id": self.build_id, "files": self.files})
+
+
+def _prepare(dest: Path, m: dict, record: _Record) -> None:
+    """Refuse a folder that holds another build or files this fetch did not verify; drop files an
+    earlier, interrupted fetch of another build verified that this build does not have."""
+    if (dest / mf.NAME).exists():
+        raise GkError(f"{dest}: already holds a build ({mf.NAME} present); fetch into a new or empty folder")
+    wanted = {f["path"]: f["sha256"] for f in m["files"]}
+    for rel in list(record.files):
+        if wanted.get(rel) != record.files[rel][2]:
+            (dest / rel).unlink(missing_ok=True)
+            del record.files[rel]
+    for p in sorted(dest.rglob("*")) if dest.exists() else []:
+        rel = p.relative_to(dest).as_posix()
+        if rel.split("/")[0] == STATE_DIR or (p.is_dir() and not p.is_symlink()):
+            continue
+        if rel not in record.files:
+            raise GkError(f"{dest}: holds {rel}, which no fetch verified; fetch into a new or empty folder")
+
+
+def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = None, quiet: bool = False,
+          api=None, fs=None) -> dict:
+    """Fetch the build published at ``src`` into ``dest``; returns a report."""
+    dest = Path(dest)
+    store = open_store(src, api=api, fs=fs)
+    idx, m, man_bytes = read_manifest(store)
+    if expect and not (len(expect) >= 12 and m["build_id"].startswith(expect.lower())):
+        raise GkError(f"{store.uri}: holds build {m['build_id'][:16]}, not the expected {expect} "
+                      f"(give at least 12 hex digits)")
+    report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "dest": str(dest),
+              "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0}
+    if (dest / mf.NAME).exists() and (dest / mf.NAME).read_bytes() == man_bytes:
+        report["already"] = True
+        return report
+    _inside(dest, f"{STATE_DIR}/fetch/x")
+    record = _Record(dest, m["build_id"])
+    _prepare(dest, m, record)
+    (dest / STATE_DIR / "fetch").mkdir(parents=True, exist_ok=True)
+    todo = [f for f in idx["files"] if not record.intact(dest, f["path"], f["sha256"])]
+
+    def fetch_one(f: dict, advance) -> None:
+        target = _inside(dest, f["path"])
+        tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
+        where = f"{store.uri}/{f['blob']} ({f['path']})"
+        try:
+            with store.open_blob(f["blob"]) as s, open(tmp, "wb") as out:
+                got = codec.decode(s, out, f["encoding"], f["size"], f["stored_size"], where, advance)
+                out.flush()
+                os.fsync(out.fileno())
+            if got != f["sha256"]:
+                raise GkError(f"{where}: sha256 {got[:16]} differs from the manifest's {f['sha256'][:16]}; refused")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        record.add(dest, f["path"], f["sha256"])
+        with record.lock:
+            report["fetched_files"] += 1
+            report["fetched_bytes"] += f["size"]
+            report["stored_bytes"] += f["stored_size"]
+
+    with bar(f"fetch {m['name']}", sum(f["size"] for f in todo), quiet) as advance, \
+            ThreadPoolExecutor(max_workers=jobs or store.concurrency) as pool:
+        try:
+            for fut in [pool.submit(fetch_one, f, advance) for f in todo]:
+                fut.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    write_bytes_atomic(dest / mf.NAME, man_bytes)
+    (dest / RECORD).unlink(missing_ok=True)
+    (dest / STATE_DIR / "fetch").rmdir()
+    with contextlib.suppress(OSError):
+        (dest / STATE_DIR).rmdir()  # empty unless something else keeps state there
+    report["already"] = False
+    report["reused_files"] = len(m["files"]) - report["fetched_files"]
+    return report

@@ -1,0 +1,92 @@
+"""The publish index (``publish.json``): where each file of a published build is stored, and how.
+
+A store holds ``publish.json`` and ``blobs/<sha256>.<zst|raw>``, one blob per distinct file
+content (named by the sha256 of the *uncompressed* bytes, so whether a file is already stored is
+known without compressing it). The index names the build, its manifest blob, and for every file
+its size, sha256, encoding and stored size. Writing the index is the commit: blobs nobody
+references are invisible, so a reader never sees half a build.
+
+The manifest stays the authority on content: a fetch checks the index against it (same paths,
+sizes and hashes) and every byte against the hash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ..errors import GkError
+from .codec import EXT
+
+NAME = "publish.json"
+FORMAT = "gkbuild-publish"
+VERSION = 1
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+def blob_name(sha256: str, encoding: str) -> str:
+    return f"blobs/{sha256}.{EXT[encoding]}"
+
+
+def entry(path: str, size: int, sha256: str, encoding: str, stored_size: int) -> dict:
+    return {"path": path, "size": size, "sha256": sha256, "encoding": encoding, "stored_size": stored_size,
+            "blob": blob_name(sha256, encoding)}
+
+
+def make(manifest: dict, manifest_entry: dict, files: list[dict]) -> dict:
+    return {"format": FORMAT, "version": VERSION, "name": manifest["name"], "build_id": manifest["build_id"],
+            "manifest": manifest_entry, "files": sorted(files, key=lambda e: e["path"])}
+
+
+def blobs(index: dict) -> set[str]:
+    """Every blob an index references (the manifest's included)."""
+    return {e["blob"] for e in [index["manifest"], *index["files"]]}
+
+
+def dumps(index: dict) -> bytes:
+    return (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
+
+
+def safe_path(path: object, where: str) -> str:
+    """A build-relative path that stays inside the folder it is written to: relative, no ``..``,
+    no empty or dot components, no backslashes, not the state folder or the manifest itself."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if (not parts or path.startswith("/") or "\\" in path or "\0" in path
+            or any(p in ("", ".", "..") for p in parts) or parts[0] in (".gkbuild", "manifest.json")):
+        raise GkError(f"{where}: path {path!r} would escape the build folder (or is reserved); refused")
+    return path
+
+
+def parse(data: bytes, where: str) -> dict:
+    """Read and check an index: the format and version, and every entry's shape and blob name."""
+    try:
+        idx = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GkError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(idx, dict) or idx.get("format") != FORMAT:
+        raise GkError(f"{where}: not a gkbuild publish index")
+    if idx.get("version") != VERSION:
+        raise GkError(f"{where}: publish index version {idx.get('version')!r} is not supported "
+                      f"(this gkbuild reads version {VERSION}); use a matching gkbuild")
+    files = idx.get("files")
+    if not isinstance(files, list) or not isinstance(idx.get("manifest"), dict):
+        raise GkError(f"{where}: malformed index (no files or manifest entry)")
+    seen = set()
+    for e in [idx["manifest"], *files]:
+        _check_entry(e, where)
+        if e is not idx["manifest"]:
+            safe_path(e["path"], where)
+            if e["path"] in seen:
+                raise GkError(f"{where}: {e['path']} is listed twice")
+            seen.add(e["path"])
+    return idx
+
+
+def _check_entry(e: object, where: str) -> None:
+    ok = (isinstance(e, dict) and isinstance(e.get("sha256"), str) and _SHA.match(e["sha256"])
+          and e.get("encoding") in EXT and all(isinstance(e.get(k), int) and e[k] >= 0 for k in ("size", "stored_size")))
+    if not ok:
+        raise GkError(f"{where}: malformed entry {json.dumps(e)[:120]}")
+    if e.get("blob") != blob_name(e["sha256"], e["encoding"]):
+        raise GkError(f"{where}: entry for {e.get('path', 'the manifest')} names blob {e.get('blob')!r}, "
+                      f"expected {blob_name(e['sha256'], e['encoding'])}")

@@ -1,0 +1,97 @@
+"""``gkbuild publish``: a build into a store, each file once.
+
+Every file is re-hashed as it is stored and checked against the manifest, so a build that
+changed on disk since it was made is refused rather than published. Files whose content the
+store already holds (same sha256) are not stored again: republishing a build uploads nothing,
+and a rebuild that changed only the tail shards uploads only those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..build import manifest as mf
+from ..build.state import STATE_DIR
+from ..errors import GkError
+from ..progress import bar
+from . import codec, index
+from .stores import open_store
+
+
+def _stored_entry(f: dict, stored: dict[str, int]) -> dict | None:
+    """The index entry for a file whose content is already in the store, if it is."""
+    for enc in (codec.ZSTD, codec.RAW):
+        name = index.blob_name(f["sha256"], enc)
+        if name in stored:
+            return index.entry(f["path"], f["size"], f["sha256"], enc, stored[name])
+    return None
+
+
+def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | None = None, prune: bool = False,
+            quiet: bool = False, api=None, fs=None) -> dict:
+    """Publish ``build_dir`` to ``dest`` (a folder or ``hf://org/name[@branch]``); returns a report."""
+    build_dir = Path(build_dir)
+    m = mf.load(build_dir)
+    man_bytes = (build_dir / mf.NAME).read_bytes()
+    store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
+    prev_bytes = store.read_index()
+    prev = index.parse(prev_bytes, f"{store.uri}/{index.NAME}") if prev_bytes is not None else None
+    stored = store.stored()
+    files = [{**f, "src": build_dir / f["path"]} for f in m["files"]]
+    report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "files": len(files),
+              "uploaded_files": 0, "uploaded_bytes": 0, "raw_bytes": sum(f["size"] for f in files), "entries": []}
+    if prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys():
+        report.update(already=True, entries=prev["files"], where=store.uri)
+        return report
+    for f in files:
+        size = f["src"].stat().st_size if f["src"].is_file() else None
+        if size != f["size"]:
+            raise GkError(f"{f['src']}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
+                          f"{f['size']}; run gkbuild check (or rebuild) before publishing")
+    store.prepare()
+    man_sha = hashlib.sha256(man_bytes).hexdigest()
+    man = {"path": mf.NAME, "size": len(man_bytes), "sha256": man_sha, "src": build_dir / mf.NAME}
+    todo, entries, lock = [], {}, threading.Lock()
+    for f in [man, *files]:
+        e = _stored_entry(f, stored)
+        if e is None and f["sha256"] not in {t["sha256"] for t in todo}:
+            todo.append(f)
+        elif e is not None:
+            entries[f["path"]] = e
+    added: list[str] = []
+
+    def store_one(f: dict, advance) -> None:
+        enc, _ = codec.choose(f["src"], level)
+        name = index.blob_name(f["sha256"], enc)
+        with store.writer(name) as out, open(f["src"], "rb", buffering=0) as src:
+            got, stored_size = codec.encode(src, out, enc, level, advance=advance)
+            if got != f["sha256"]:
+                raise GkError(f"{f['src']}: sha256 {got[:16]} differs from the manifest's {f['sha256'][:16]} "
+                              f"(changed since it was built); run gkbuild check, rebuild, then publish")
+        with lock:
+            added.append(name)
+            report["uploaded_files"] += 1
+            report["uploaded_bytes"] += stored_size
+            for g in [man, *files]:  # every file with this content shares the blob
+                if g["sha256"] == f["sha256"]:
+                    entries[g["path"]] = index.entry(g["path"], g["size"], g["sha256"], enc, stored_size)
+
+    with bar(f"publish {m['name']}", sum(f["size"] for f in todo), quiet) as advance, \
+            ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        try:
+            for fut in [pool.submit(store_one, f, advance) for f in todo]:
+                fut.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            store.discard()
+            raise
+    man_entry = {k: v for k, v in entries.pop(mf.NAME).items() if k != "path"}
+    idx = index.make(m, man_entry, list(entries.values()))
+    message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
+    report.update(already=False, entries=idx["files"],
+                  where=store.commit(index.dumps(idx), added, message, prune))
+    return report

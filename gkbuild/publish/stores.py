@@ -1,0 +1,224 @@
+"""Where published builds live: a directory (local disk or a mounted artifact store), or a model
+repo on the Hugging Face Hub. Both hold the same tree (``publish.json`` + ``blobs/``) behind one
+small interface; only this module touches huggingface_hub's upload and download API.
+
+A directory store commits by renaming ``publish.json`` into place after every blob it names is
+durable. A hub store commits once per build (``create_commit`` with the new blobs, the index, and
+deletions of blobs the new index no longer names; history keeps them), against the parent commit
+it read, so two concurrent publishes cannot interleave. Reading a hub store pins the commit a
+branch points to first, so a fetch never mixes two builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from ..checkpoint import hub
+from ..build.state import write_bytes_atomic
+from ..checkpoint.safetensors_io import fsync_dir
+from ..errors import GkError
+from .index import NAME, blobs, parse
+
+
+def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs=None) -> "DirStore | HubStore":
+    """A store from ``hf://org/name[@branch]`` or a directory path. ``staging`` is where a hub
+    publish stages compressed blobs before the commit; ``api``/``fs`` replace huggingface_hub's
+    ``HfApi``/``HfFileSystem`` (tests)."""
+    text = str(uri)
+    if text.startswith("hf://"):
+        return HubStore(hub.parse(text), staging, api, fs)
+    if "://" in text:
+        raise GkError(f"{text}: unknown store; give a directory or hf://ORG/NAME[@BRANCH]")
+    return DirStore(Path(text))
+
+
+def _regular(p: Path, what: str) -> None:
+    """Refuse a symlink or anything but a plain file where the store should hold one."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        raise GkError(f"{p}: {what} is missing from the store") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise GkError(f"{p}: {what} is a symlink or not a plain file; refused")
+
+
+class DirStore:
+    def __init__(self, root: Path):
+        self.root = root
+        self.uri = str(root)
+        self.concurrency = os.cpu_count() or 1  # CPU-bound (decompress + hash): one file a core
+
+    def read_index(self) -> bytes | None:
+        p = self.root / NAME
+        if not os.path.lexists(p):
+            return None
+        _regular(p, "the publish index")
+        return p.read_bytes()
+
+    @contextlib.contextmanager
+    def open_blob(self, name: str) -> Iterator[BinaryIO]:
+        if os.path.islink(self.root / "blobs"):
+            raise GkError(f"{self.root / 'blobs'}: the blob folder is a symlink; refused")
+        _regular(self.root / name, "a blob")
+        with open(self.root / name, "rb") as f:
+            yield f
+
+    def stored(self) -> dict[str, int]:
+        """Blobs present: name -> stored size."""
+        d = self.root / "blobs"
+        if not d.is_dir():
+            return {}
+        return {f"blobs/{e.name}": e.stat().st_size for e in os.scandir(d)
+                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+
+    def prepare(self) -> None:
+        """Create the store, refusing a non-empty folder that is not one (``--to ~`` by mistake)."""
+        if self.root.exists():
+            if not self.root.is_dir():
+                raise GkError(f"{self.root}: exists and is not a folder")
+            other = [e.name for e in os.scandir(self.root) if e.name not in (NAME, "blobs") and not e.name.startswith(".")]
+            if other and not (self.root / NAME).exists():
+                raise GkError(f"{self.root}: not empty and not a gkbuild store (holds {other[0]!r}); "
+                              f"publish into an empty or new folder")
+        (self.root / "blobs").mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def writer(self, name: str) -> Iterator[BinaryIO]:
+        """A blob written beside its final name and renamed into place only when complete."""
+        final = self.root / name
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """A failed publish leaves only complete, content-named blobs that no index references
+        (invisible to readers, reused by the next publish)."""
+
+    def commit(self, index: bytes, added: list[str], message: str, prune: bool) -> str:
+        fsync_dir(self.root / "blobs")
+        write_bytes_atomic(self.root / NAME, index)
+        if prune:
+            self._prune(index)
+        return str(self.root / NAME)
+
+    def _prune(self, index: bytes) -> None:
+        keep = blobs(parse(index, NAME))
+        for name in self.stored():
+            if name not in keep:
+                (self.root / name).unlink(missing_ok=True)
+
+
+class HubStore:
+    def __init__(self, ref: hub.HubRef, staging: Path | None, api=None, fs=None):
+        self.ref, self.uri = ref, ref.uri
+        self.staging = staging  # set for a publish: then the repo or branch may not exist yet
+        self._api, self._fs = api, fs
+        self.commit_sha: str | None = None  # the commit read from (pinned on first use)
+        self.concurrency = max(8, os.cpu_count() or 1)  # network-bound: keep several downloads going
+        self._tree: dict[str, int] | None = None
+
+    @property
+    def api(self):
+        if self._api is None:
+            from huggingface_hub import HfApi
+
+            self._api = HfApi()
+        return self._api
+
+    @property
+    def fs(self):
+        if self._fs is None:
+            from huggingface_hub import HfFileSystem
+
+            self._fs = HfFileSystem()
+        return self._fs
+
+    def _errors(self):
+        return hub.errors(self.uri, self.ref.revision)
+
+    def _pin(self, must_exist: bool) -> str | None:
+        """The commit the branch points to now (None: no such repo or branch yet, when publishing)."""
+        if self.commit_sha is None:
+            from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+            with self._errors():
+                try:
+                    self.commit_sha = self.api.repo_info(self.ref.repo, revision=self.ref.revision).sha
+                except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+                    if must_exist or isinstance(e, GatedRepoError):
+                        raise
+        return self.commit_sha
+
+    def _tree_sizes(self) -> dict[str, int]:
+        if self._tree is None:
+            sha = self._pin(must_exist=self.staging is None)
+            self._tree = {}
+            if sha is not None:
+                with self._errors():
+                    for item in self.api.list_repo_tree(self.ref.repo, revision=sha, recursive=True):
+                        if getattr(item, "size", None) is not None:
+                            self._tree[item.path] = item.size
+        return self._tree
+
+    def read_index(self) -> bytes | None:
+        if NAME not in self._tree_sizes():
+            return None
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{NAME}", "rb", revision=self.commit_sha) as f:
+            return f.read()
+
+    @contextlib.contextmanager
+    def open_blob(self, name: str) -> Iterator[BinaryIO]:
+        if name not in self._tree_sizes():
+            raise GkError(f"{self.uri}: {name} is missing from the repo at {self.commit_sha}")
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=self.commit_sha,
+                                          block_size=0) as f:
+            yield f
+
+    def stored(self) -> dict[str, int]:
+        return {k: v for k, v in self._tree_sizes().items() if k.startswith("blobs/")}
+
+    def prepare(self) -> None:
+        if self.staging is None:
+            raise GkError("internal: a hub publish needs a staging folder")
+        shutil.rmtree(self.staging, ignore_errors=True)
+        (self.staging / "blobs").mkdir(parents=True)
+
+    @contextlib.contextmanager
+    def writer(self, name: str) -> Iterator[BinaryIO]:
+        with open(self.staging / name, "wb") as f:
+            yield f
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def commit(self, index: bytes, added: list[str], message: str, prune: bool = True) -> str:
+        """One commit: the new blobs, the index, and deletions of blobs the index no longer names.
+        huggingface_hub uploads large files through LFS (the hub's requirement) by itself."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        keep = blobs(parse(index, NAME))
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n)) for n in sorted(added)]
+        ops.append(CommitOperationAdd(path_in_repo=NAME, path_or_fileobj=index))
+        ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(self.stored()) if n not in keep]
+        try:
+            with self._errors():
+                if self._pin(must_exist=False) is None:
+                    self.api.create_repo(self.ref.repo, exist_ok=True, private=True)  # builds are not public by accident
+                    if self.ref.revision != "main":
+                        self.api.create_branch(self.ref.repo, branch=self.ref.revision, exist_ok=True)
+                info = self.api.create_commit(self.ref.repo, ops, commit_message=message, revision=self.ref.revision,
+                                              parent_commit=self.commit_sha)
+        finally:
+            self.discard()
+        return f"{self.uri} commit {info.oid}"

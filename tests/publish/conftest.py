@@ -1,0 +1,59 @@
+"""A small real build to publish (the tiny cpu recipe, no compile: seconds), and helpers that
+craft stores the way an attacker or a broken disk would."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from gkbuild import recipe
+from gkbuild.build import manifest as mf
+from gkbuild.build.pipeline import compile_build
+from gkbuild.publish import index
+from tests.conftest import RECIPES
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pub") / "tiny-cpu"
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml"), out=out, quiet=True, compile=False)
+    return out
+
+
+@pytest.fixture
+def build(built, tmp_path) -> Path:
+    """A private copy a test may change."""
+    dst = tmp_path / "build"
+    shutil.copytree(built, dst)
+    return dst
+
+
+def put_blob(store: Path, data: bytes, encoding: str = "zstd") -> dict:
+    """Store ``data`` as a blob; its index entry fields (no path)."""
+    sha = hashlib.sha256(data).hexdigest()
+    stored = zstandard.ZstdCompressor().compress(data) if encoding == "zstd" else data
+    name = index.blob_name(sha, encoding)
+    (store / name).write_bytes(stored)
+    return {"size": len(data), "sha256": sha, "encoding": encoding, "stored_size": len(stored), "blob": name}
+
+
+def read_store(store: Path) -> tuple[dict, dict]:
+    idx = json.loads((store / index.NAME).read_text())
+    e = idx["manifest"]
+    raw = (store / e["blob"]).read_bytes()
+    data = zstandard.ZstdDecompressor().decompressobj().decompress(raw) if e["encoding"] == "zstd" else raw
+    return idx, json.loads(data)
+
+
+def rewrite(store: Path, idx: dict, m: dict, fix_id: bool = True) -> None:
+    """Write a (tampered) manifest and index into ``store``, the build id recomputed as a forger would."""
+    if fix_id:
+        m["build_id"] = mf.build_id(m)
+    idx["manifest"] = put_blob(store, mf.canonical(m))
+    idx["build_id"] = m["build_id"]
+    (store / index.NAME).write_bytes(index.dumps(idx))
