@@ -49,6 +49,7 @@ def test_allocate_kv(built):
 
 @pytest.mark.parametrize("change, kwargs, message", [
     ({"schema_version": 2}, {}, r"schema_version 2 is not supported"),
+    ({"name": "renamed"}, {}, r"build_id .* is not the hash of the manifest's content"),
     ({}, {"target": "trn3"}, r"built for target 'trn2', not 'trn3'"),
     ({}, {"world_size": 64}, r"built for 128 ranks \(TP8 x DP16\), this runtime has 64"),
 ])
