@@ -24,12 +24,8 @@ from _measure import cp_then_sync, gib, median, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
-
-
-def kind(path: str) -> str:
-    """weights/expert-017.safetensors -> weights/expert"""
-    head, name = path.split("/", 1) if "/" in path else ("", path)
-    return f"{head}/{name.split('-')[0].split('.')[0]}"
+sys.path.insert(0, str(ROOT))
+from gkbuild.publish.index import by_kind  # noqa: E402
 
 
 def main() -> None:
@@ -76,17 +72,11 @@ def main() -> None:
     print(f"| fetch (verify, decompress) | {median(fetches):.2f} | {size / median(fetches) / 1e9:.2f} | "
           f"{median(fetches) / cp:.2f}x | {gib(rss_fetch)} |")
     print(f"| publish again (no-op) | {again:.2f} | | {again / cp:.2f}x | |")
-    kinds: dict[str, list[int]] = {}
-    for e in rep["entries"]:
-        k = kinds.setdefault(kind(e["path"]), [0, 0, 0, 0])
-        k[0] += 1
-        k[1] += e["size"]
-        k[2] += e["stored_size"]
-        k[3] += e["encoding"] == "zstd"
     print("\n| file kind | files | bytes | stored | stored/raw | zstd files |")
     print("|---|---|---|---|---|---|")
-    for name, (n, raw, st, z) in sorted(kinds.items()):
-        print(f"| {name} | {n} | {raw / 2**20:.1f} MiB | {st / 2**20:.1f} MiB | {st / raw:.3f} | {z} |")
+    for name, k in by_kind(rep["entries"]).items():
+        print(f"| {name} | {k['files']} | {k['bytes'] / 2**20:.1f} MiB | {k['stored'] / 2**20:.1f} MiB | "
+              f"{k['stored'] / k['bytes']:.3f} | {k['zstd']} |")
     shutil.rmtree(d, ignore_errors=True)
 
 

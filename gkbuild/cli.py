@@ -13,16 +13,11 @@ from rich.table import Table
 from . import __version__
 from .errors import GkError
 from .progress import bar, note
+from .publish.codec import LEVEL as ZSTD_LEVEL
 
 out = Console()
 if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
     out = Console(width=160)
-
-
-def codec_level() -> int:
-    from .publish.codec import LEVEL
-
-    return LEVEL
 
 
 def _parse_size(text: str) -> int:
@@ -108,22 +103,21 @@ def inspect(path, as_json, deep, quiet):
     if (path / "manifest.json").exists():
         from .build.check import summary
 
-        s = summary(path)
-        if as_json:
-            click.echo(json.dumps(s, indent=2))
-        else:
-            for t in build_tables(s):
-                out.print(t)
+        _show(summary(path), build_tables, as_json)
         return
     ck = Checkpoint.open(path)
     if deep:
         with bar("reading", sum(i.nbytes for i in ck.where.values()), quiet or as_json) as advance:
             ck.deep_check(advance)
-    s = checkpoint_summary(ck)
+    _show(checkpoint_summary(ck), checkpoint_table, as_json)
+
+
+def _show(s: dict, tables, as_json: bool) -> None:
+    """A summary as JSON, or as the tables ``tables(s)`` makes."""
     if as_json:
         click.echo(json.dumps(s, indent=2))
     else:
-        for t in checkpoint_table(s):
+        for t in tables(s):
             out.print(t)
 
 
@@ -331,7 +325,7 @@ def _print_verify(rep) -> None:
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("--to", "dest", required=True, metavar="DEST",
               help="A folder (local or a mounted artifact store) or hf://ORG/NAME[@BRANCH].")
-@click.option("--level", type=click.IntRange(1, 19), default=codec_level(), show_default=True,
+@click.option("--level", type=click.IntRange(1, 19), default=ZSTD_LEVEL, show_default=True,
               help="zstd level for files that compress (decided per file from a sample).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files stored in parallel (default: cores).")
 @click.option("--prune", is_flag=True, help="Folder stores: delete blobs the new index no longer references "
@@ -364,22 +358,15 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
 
 
 def _print_store_table(entries: list[dict], title: str) -> None:
+    from .publish.index import by_kind
     from .summary import human_bytes
 
-    kinds: dict[str, list] = {}
-    for e in entries:
-        kind = e["path"].split("/")[0] + "/" + e["path"].split("/")[-1].split("-")[0].split(".")[0]
-        k = kinds.setdefault(kind, [0, 0, 0, set()])
-        k[0] += 1
-        k[1] += e["size"]
-        k[2] += e["stored_size"]
-        k[3].add(e["encoding"])
     t = Table(title=title, title_justify="left")
-    for c in ("files", "count", "bytes", "stored", "ratio", "encoding"):
-        t.add_column(c, justify="left" if c in ("files", "encoding") else "right")
-    for kind, (n, size, stored, enc) in sorted(kinds.items()):
-        t.add_row(kind, str(n), human_bytes(size), human_bytes(stored), f"{stored / max(size, 1):.3f}",
-                  ", ".join(sorted(enc)))
+    for c in ("files", "count", "bytes", "stored", "ratio", "zstd"):
+        t.add_column(c, justify="left" if c == "files" else "right")
+    for kind, k in by_kind(entries).items():
+        t.add_row(kind, str(k["files"]), human_bytes(k["bytes"]), human_bytes(k["stored"]),
+                  f"{k['stored'] / max(k['bytes'], 1):.3f}", f"{k['zstd']} of {k['files']}")
     out.print(t)
 
 

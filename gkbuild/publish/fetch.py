@@ -16,7 +16,6 @@ import io
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..build import manifest as mf
@@ -25,6 +24,7 @@ from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
 from ..progress import bar
 from . import codec, index
+from .parallel import run_each
 from .stores import open_store
 
 RECORD = f"{STATE_DIR}/fetch.json"
@@ -142,13 +142,13 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
     if (dest / mf.NAME).exists() and (dest / mf.NAME).read_bytes() == man_bytes:
         report["already"] = True
         return report
-    _inside(dest, f"{STATE_DIR}/fetch/x")
+    _inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
     record = _Record(dest, m["build_id"])
     _prepare(dest, m, record)
     (dest / STATE_DIR / "fetch").mkdir(parents=True, exist_ok=True)
     todo = [f for f in idx["files"] if not record.intact(dest, f["path"], f["sha256"])]
 
-    def fetch_one(f: dict, advance) -> None:
+    def fetch_one(f: dict) -> None:
         target = _inside(dest, f["path"])
         tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
         where = f"{store.uri}/{f['blob']} ({f['path']})"
@@ -170,14 +170,8 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
             report["fetched_bytes"] += f["size"]
             report["stored_bytes"] += f["stored_size"]
 
-    with bar(f"fetch {m['name']}", sum(f["size"] for f in todo), quiet) as advance, \
-            ThreadPoolExecutor(max_workers=jobs or store.concurrency) as pool:
-        try:
-            for fut in [pool.submit(fetch_one, f, advance) for f in todo]:
-                fut.result()
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
+    with bar(f"fetch {m['name']}", sum(f["size"] for f in todo), quiet) as advance:
+        run_each(fetch_one, todo, jobs or store.concurrency)
     write_bytes_atomic(dest / mf.NAME, man_bytes)
     (dest / RECORD).unlink(missing_ok=True)
     (dest / STATE_DIR / "fetch").rmdir()

@@ -43,6 +43,21 @@ def blobs(index: dict) -> set[str]:
     return {e["blob"] for e in [index["manifest"], *index["files"]]}
 
 
+def by_kind(entries: list[dict]) -> dict[str, dict]:
+    """Entries summed per file kind (``weights/expert-017.safetensors`` -> ``weights/expert``):
+    files, bytes, stored bytes, and how many are zstd."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        folder, _, name = e["path"].rpartition("/")
+        k = out.setdefault(f"{folder}/{name.split('-')[0].split('.')[0]}",
+                           {"files": 0, "bytes": 0, "stored": 0, "zstd": 0})
+        k["files"] += 1
+        k["bytes"] += e["size"]
+        k["stored"] += e["stored_size"]
+        k["zstd"] += e["encoding"] == "zstd"
+    return dict(sorted(out.items()))
+
+
 def dumps(index: dict) -> bytes:
     return (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..build import manifest as mf
@@ -19,6 +18,7 @@ from ..build.state import STATE_DIR
 from ..errors import GkError
 from ..progress import bar
 from . import codec, index
+from .parallel import run_each
 from .stores import open_store
 
 
@@ -55,16 +55,20 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     store.prepare()
     man_sha = hashlib.sha256(man_bytes).hexdigest()
     man = {"path": mf.NAME, "size": len(man_bytes), "sha256": man_sha, "src": build_dir / mf.NAME}
-    todo, entries, lock = [], {}, threading.Lock()
+    groups: dict[str, list[dict]] = {}  # files with the same content share one blob
     for f in [man, *files]:
-        e = _stored_entry(f, stored)
-        if e is None and f["sha256"] not in {t["sha256"] for t in todo}:
-            todo.append(f)
-        elif e is not None:
-            entries[f["path"]] = e
-    added: list[str] = []
+        groups.setdefault(f["sha256"], []).append(f)
+    entries, added, lock = {}, [], threading.Lock()
+    todo = []
+    for sha, same in groups.items():
+        e = _stored_entry(same[0], stored)
+        if e is None:
+            todo.append(same)
+        else:
+            entries.update({f["path"]: {**e, "path": f["path"]} for f in same})
 
-    def store_one(f: dict, advance) -> None:
+    def store_one(same: list[dict]) -> None:
+        f = same[0]
         enc, _ = codec.choose(f["src"], level)
         name = index.blob_name(f["sha256"], enc)
         with store.writer(name) as out, open(f["src"], "rb", buffering=0) as src:
@@ -76,19 +80,10 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
             added.append(name)
             report["uploaded_files"] += 1
             report["uploaded_bytes"] += stored_size
-            for g in [man, *files]:  # every file with this content shares the blob
-                if g["sha256"] == f["sha256"]:
-                    entries[g["path"]] = index.entry(g["path"], g["size"], g["sha256"], enc, stored_size)
+            entries.update({g["path"]: index.entry(g["path"], g["size"], g["sha256"], enc, stored_size) for g in same})
 
-    with bar(f"publish {m['name']}", sum(f["size"] for f in todo), quiet) as advance, \
-            ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        try:
-            for fut in [pool.submit(store_one, f, advance) for f in todo]:
-                fut.result()
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            store.discard()
-            raise
+    with bar(f"publish {m['name']}", sum(same[0]["size"] for same in todo), quiet) as advance:
+        run_each(store_one, todo, jobs or os.cpu_count() or 1, on_failure=store.discard)
     man_entry = {k: v for k, v in entries.pop(mf.NAME).items() if k != "path"}
     idx = index.make(m, man_entry, list(entries.values()))
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
