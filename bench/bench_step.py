@@ -47,7 +47,7 @@ def main() -> None:
     os.environ["GKBUILD_CACHE"] = str(d / "cache")
     torch.set_num_threads(os.cpu_count() or 1)
     from gkbuild import recipe
-    from gkbuild.build.pipeline import compile_build
+    from gkbuild.pipeline.pipeline import compile_build
     from gkbuild.kernels.driver import Session
     from gkbuild.runtime import Build
 

@@ -101,7 +101,7 @@ def inspect(path, as_json, deep, quiet):
             out.print(t)
         return
     if (path / "manifest.json").exists():
-        from .build.check import summary
+        from .pipeline.check import summary
 
         _show(summary(path), build_tables, as_json)
         return
@@ -188,7 +188,7 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, ove
     where it stopped. Without the Neuron SDK a trn build records its NEFF stage as skipped and
     warns; --require-neff makes that an error.
     """
-    from .build.pipeline import compile_build
+    from .pipeline.pipeline import compile_build
     from .recipe import load
 
     if jobs is not None and jobs < 1:
@@ -226,8 +226,8 @@ def _print_build(res) -> None:
 def check(build_dir, quiet):
     """Re-hash every file of BUILD against its manifest; report each mismatched, missing or
     extra file, one per line. Exits 1 if any."""
-    from .build import manifest as mf
-    from .build.check import problems
+    from .pipeline import manifest as mf
+    from .pipeline.check import problems
 
     m = mf.load(build_dir)
     with bar("check", sum(f["size"] for f in m["files"]), quiet) as advance:

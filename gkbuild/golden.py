@@ -117,7 +117,7 @@ def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_fil
 
 def for_checkpoint(root: Path, prompts, steps: int) -> Golden:
     """Reference logits for a checkpoint folder, recording its content hash."""
-    from .build.fingerprint import Fingerprints, sha256_file
+    from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
     from .checkpoint.source import cache_root
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes
-from .build import manifest as mf
+from .pipeline import manifest as mf
 from .checkpoint.safetensors_io import MappedFile, read_header
 from .errors import GkError
 from .layout.kv import KvLayout
@@ -107,7 +107,7 @@ class Build:
         bytes, target and torch version are checked against the manifest (it is native code)."""
         import torch
 
-        from .build.fingerprint import sha256_file
+        from .pipeline.fingerprint import sha256_file
 
         art = next((a for a in self.manifest["compile"]["artifacts"] if a["name"] == name), None)
         if art is None or art["path"] is None:

@@ -11,7 +11,7 @@ import click
 import yaml
 
 from gkbuild import recipe
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.cli import cli
 from gkbuild.verify import run as verify_run
 from gkbuild.golden import Golden

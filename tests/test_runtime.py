@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gkbuild import recipe
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.errors import GkError
 from gkbuild.runtime import Build
 from tests.conftest import RECIPES

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gkbuild import recipe, verify
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.errors import GkError
 from gkbuild.golden import Golden, default_prompts, for_checkpoint

@@ -75,7 +75,7 @@ def invocation(program: str, recipe, build_dir: Path) -> list[str]:
 
 
 def workdir(build_dir: Path) -> Path:
-    from ..build.state import STATE_DIR
+    from ..pipeline.state import STATE_DIR
 
     return Path(build_dir) / STATE_DIR / "neuron"
 

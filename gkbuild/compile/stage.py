@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..build.fingerprint import sha256_file
-from ..build.state import key
+from ..pipeline.fingerprint import sha256_file
+from ..pipeline.state import key
 from ..errors import GkError
 from ..kernels.decode import Scalars
 from ..progress import warn

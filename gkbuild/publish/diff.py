@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..build import manifest as mf
+from ..pipeline import manifest as mf
 from ..errors import GkError
 from .fetch import read_manifest
 from .stores import open_store

@@ -18,8 +18,8 @@ import os
 import threading
 from pathlib import Path
 
-from ..build import manifest as mf
-from ..build.state import STATE_DIR, write_bytes_atomic, write_json_atomic
+from ..pipeline import manifest as mf
+from ..pipeline.state import STATE_DIR, write_bytes_atomic, write_json_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
 from ..progress import bar

@@ -13,8 +13,8 @@ import os
 import threading
 from pathlib import Path
 
-from ..build import manifest as mf
-from ..build.state import STATE_DIR
+from ..pipeline import manifest as mf
+from ..pipeline.state import STATE_DIR
 from ..errors import GkError
 from ..progress import bar
 from . import codec, index

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ..checkpoint import hub
-from ..build.state import write_bytes_atomic
+from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
 from .index import NAME, blobs, parse

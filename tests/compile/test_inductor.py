@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gkbuild import recipe, verify
-from gkbuild.build import manifest as mf
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.compile import inductor
 from gkbuild.errors import GkError
 from gkbuild.kernels.driver import Session

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.compile import neuron, signature
 from gkbuild.errors import GkError
 from gkbuild.model import preset

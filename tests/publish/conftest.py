@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.publish import index
 from tests.conftest import RECIPES
 

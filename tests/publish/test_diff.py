@@ -4,8 +4,8 @@ import copy
 import json
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.publish.diff import _ranges, diff, load
 from gkbuild.publish.publish import publish
 from tests.conftest import RECIPES, run_cli

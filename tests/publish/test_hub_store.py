@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.check import problems
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.check import problems
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.errors import GkError
 from gkbuild.publish import index
 from gkbuild.publish.fetch import fetch

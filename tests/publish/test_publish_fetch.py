@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.check import problems
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.check import problems
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.errors import GkError
 from gkbuild.publish import codec, index
 from gkbuild.publish.fetch import fetch

@@ -14,8 +14,8 @@ import pytest
 from safetensors import safe_open
 
 from gkbuild import recipe
-from gkbuild.build import manifest as mf
-from gkbuild.build.pipeline import compile_build
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.checkpoint import names
 from gkbuild.checkpoint.reader import Checkpoint
 from gkbuild.checkpoint.safetensors_io import read_header
