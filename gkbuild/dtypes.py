@@ -32,6 +32,7 @@ _ALL = [
     DType("fp32", np.dtype(np.float32), "F32", "float32"),
     DType("u8", np.dtype(np.uint8), "U8", "uint8"),
     DType("u16", np.dtype(np.uint16), "U16", "uint16"),
+    DType("u32", np.dtype(np.uint32), "U32", "uint32"),
     DType("i32", np.dtype(np.int32), "I32", "int32"),
     DType("i64", np.dtype(np.int64), "I64", "int64"),
     # trn2 KV cache: IEEE-style e4m3 (max 240); safetensors cannot store it, and no shard holds it.

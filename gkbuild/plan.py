@@ -14,10 +14,12 @@ Tensor names are the kernels' argument names; per-layer tensors are stacked on a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .checkpoint.safetensors_io import TensorSpec
 from .dtypes import dtype as dtype_of
+from .errors import GkError
 from .layout import attention, experts_mx, kv as kvlayout, tail, topology
 from .layout.dims import MX_TILE, P_MAX, Dims
 from .model import GptOssConfig
@@ -135,10 +137,10 @@ class Plan:
             "files": by_role,
             "bytes_per_rank": self.weight_bytes(0),
             "disk_bytes": self.disk_bytes,
-            "kv": {"groups": self.kv.groups, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
-                   "kv_heads_per_rank": self.kv.kv_heads, "dtype": self.kv.dtype, "packed": self.kv.packed,
-                   "buffer_shape": self.kv.buffer_shape,
-                   "k_packed_shape": self.kv.k_packed_shape if self.kv.packed else None,
+            "kv": {"form": self.kv.form, "entries": self.kv.entries, "num_blocks": self.kv.num_blocks,
+                   "block_size": self.kv.block_size, "kv_heads_per_rank": self.kv.kv_heads, "dtype": self.kv.dtype,
+                   "packed": self.kv.packed, "allocation_shape": self.kv.allocation_shape,
+                   "allocations": self.kv.allocations, "k_entry_shape": self.kv.k_block_shape,
                    "bytes_per_rank": self.kv.bytes_per_rank, "dma": self.kv.dma_check(), "budget": self.budget},
             "tail": {"vocab_per_rank": self.dims.V_s, "hops": self.tail["hops"], "k": self.recipe.tail.k},
             "scalars": self.scalars,
@@ -159,29 +161,27 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                        tuple(c.rank for c in ranks if member[role](c, i)))
              for role in ROLES for i in range(counts[role])]
     kvc = recipe.kv_cache
-    item = dtype_of(recipe.kv_dtype).itemsize
-    groups = kvlayout.groups_for(cfg.L)
-    budget: dict = {}
-    num_blocks = kvc.num_blocks
+    where = recipe.path or "recipe"
+    kv = kvlayout.KvLayout(form=kvc.form, num_layers=cfg.L, num_blocks=kvc.num_blocks or 1, kv_heads=d.kv_l,
+                           block_size=kvc.block_size, head_dim=cfg.d, dtype=recipe.kv_dtype,
+                           itemsize=dtype_of(recipe.kv_dtype).itemsize, packed=kvc.packed)
+    cap = kv.max_num_blocks()
     weights = sum(f.nbytes for f in files if 0 in f.ranks)
-    if num_blocks is None:
+    if kvc.num_blocks is None:
         usable = kvc.hbm_per_rank_gib * 2**30 * kvc.memory_utilization
-        per_block = groups * 2 * d.kv_l * kvc.block_size * cfg.d * item
-        num_blocks = kvlayout.budget_blocks(per_block, usable, weights, recipe.path or "recipe")
+        fit = kvlayout.budget_blocks(kv.entries * 2 * kv.block_bytes, usable, weights, where)
         budget = {"mode": "hbm", "hbm_per_rank_bytes": int(kvc.hbm_per_rank_gib * 2**30),
-                  "usable_bytes": int(usable), "weight_bytes": weights}
+                  "usable_bytes": int(usable), "weight_bytes": weights, "fits_blocks": fit,
+                  "dma_cap_blocks": cap, "capped_by_dma": fit > cap}
+        kv = dataclasses.replace(kv, num_blocks=min(fit, cap))
     else:
-        budget = {"mode": "given", "weight_bytes": weights}
-    kv = kvlayout.KvLayout(num_layers=cfg.L, groups=groups, num_blocks=num_blocks, kv_heads=d.kv_l,
-                           block_size=kvc.block_size, head_dim=cfg.d, dtype=recipe.kv_dtype, itemsize=item,
-                           packed=kvc.packed)
-    dma = kv.dma_check()
-    if not dma["fits"]:
-        from .errors import GkError
-
-        raise GkError(f"{recipe.path or 'recipe'}: kv_cache.num_blocks: {num_blocks} blocks span "
-                      f"{kv.half_bytes} bytes per buffer half, over the 2^32 DMA offset limit; at most "
-                      f"{dma['max_num_blocks_per_buffer']}")
+        budget = {"mode": "given", "weight_bytes": weights, "dma_cap_blocks": cap}
+        if kvc.num_blocks > cap:
+            lift = (f"; kv_cache.form: per_buffer lifts it to {kv.max_num_blocks('per_buffer'):,}"
+                    if kvc.form == "stacked" else "")
+            raise GkError(f"{where}: kv_cache.num_blocks: {kvc.num_blocks:,} blocks exceed the uint32 DMA offset cap "
+                          f"of {cap:,} for the {kvc.form} form (2^32 / ({kv.dma_span_entries} entries x "
+                          f"{kv.block_bytes} bytes a block)){lift}")
     fp8 = kvc.dtype == "fp8"
     scalars = {
         "num_layers": cfg.L, "tp_size": t.tp, "ep_size": t.ep, "top_k": cfg.top_k,
@@ -198,7 +198,7 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                  "beta_slow": cfg.rope.beta_slow,
                  "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
                  "truncate": cfg.rope.truncate, "concentration": cfg.rope.concentration},
-        "batch": {str(b): {"B": b, "B_attn": b // t.dp, "T_shard": b // t.world, "T_ep": b}
+        "batch": {str(b): {"B": b, "B_attn": b // t.dp, "T_shard": b // t.world, "T_ep": b, "R": b // t.vtp}
                   for b in recipe.decode.batch_sizes},
     }
     hops = recipe.hops

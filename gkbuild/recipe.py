@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,12 +22,22 @@ from pathlib import Path
 import yaml
 
 from .errors import GkError
+from .layout.tail import batch_groups_refusal
 from .model import FULL, SLIDING, GptOssConfig
 
 TARGETS = ("trn2", "trn3", "cpu", "cuda")
 NEURON_TARGETS = ("trn2", "trn3")
 # The nki-library revision whose c128_giga_kernel and gpt_oss_tail the neuron backend compiles.
 DEFAULT_NKI_LIBRARY = "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
+# The public entry points, as ``module:function`` importable from the library's src/ tree.
+DEFAULT_DECODE_KERNEL = ("nkilib_src.nkilib.models.gpt_oss.c128_giga_kernel.experimental.gpt_oss."
+                         "gpt_oss_decode_layer_dp_tp_ep:gpt_oss_decode_mega_kernel")
+DEFAULT_TAIL_KERNEL = "nkilib.experimental.gpt_oss_tail:gpt_oss_tail_chunked_megakernel"
+# The published decode kernel reads its KV write-back switch from the environment while tracing;
+# without it the decode step would not write the new token's K/V.
+KV_UPDATE_SWITCH = "VLLM_NEURON_MEGA_KV_UPDATE=1"
+_ENTRY_POINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_SWITCH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=.*$")
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -54,6 +65,8 @@ class Topology:
 @dataclass
 class KVCache:
     dtype: str = _f("bf16", "KV element type", ("bf16", "fp8"))
+    form: str = _f("stacked", "stacked: one K and one V tensor [L, ...] (the public kernel); per_buffer: one "
+                              "[2, ...] buffer a layer pair (the GK integration's fork)", ("stacked", "per_buffer"))
     packed: bool = _f(False, "packed FP8 K: [blocks, kv, block/2, d, 2] (two tokens per 16-bit lane)")
     block_size: int = _f(128, "tokens per KV block")
     num_blocks: typing.Optional[int] = _f(None, "blocks per buffer; or give hbm_per_rank_gib + memory_utilization")
@@ -73,12 +86,25 @@ class Decode:
 class Tail:
     k: int = _f(256, "top-k candidates the tail keeps")
     emit_logits: bool = _f(True, "also return the fp32 pre-collective logits (debug/gating output)")
+    runtime_draw: bool = _f(False, "sampling_params carry a 4th column, the per-row draw u (else the compiled-in 0.5)")
+
+
+@dataclass
+class Kernels:
+    decode: str = _f(DEFAULT_DECODE_KERNEL, "the GK decode kernel, module:function")
+    tail: str = _f(DEFAULT_TAIL_KERNEL, "the sampling-tail kernel, module:function")
 
 
 @dataclass
 class Compile:
     optimization_level: int = _f(2, "neuronx-cc optimization level", (1, 2, 3))
-    nki_library: str = _f(DEFAULT_NKI_LIBRARY, "nki-library revision providing the GK decode and tail kernels")
+    nki_library: str = _f(DEFAULT_NKI_LIBRARY, "where the kernels' code comes from: OWNER/REPO@COMMIT (GitHub), "
+                                               "a git URL@COMMIT, or a local folder")
+    kernels: Kernels = _f(None, "the kernel entry points")
+    kernel_switches: list = _f([KV_UPDATE_SWITCH], "NAME=VALUE environment switches the kernels read while tracing "
+                                                   "(KV write-back must stay on)")
+    trace: str = _f("host", "host: trace on the CPU (no NeuronCore needed, as the SDK's CPU compile mode); "
+                            "device: trace on a NeuronCore", ("host", "device"))
 
 
 @dataclass
@@ -156,8 +182,6 @@ class Recipe:
             bad("topology.hops", hops, "expected a list of positive integers")
         if math.prod(hops) != t.vtp:
             bad("topology.hops", hops, f"hop sizes must multiply to vtp = {t.vtp}")
-        if t.a2a_batch_groups > 1 and len(hops) > 1:
-            bad("topology.a2a_batch_groups", t.a2a_batch_groups, "batch groups need a single-hop tail")
         if kv.packed and kv.dtype != "fp8":
             bad("kv_cache.packed", kv.packed, "packed K is an FP8 layout; set kv_cache.dtype: fp8")
         if kv.packed and kv.block_size % 2:
@@ -178,6 +202,7 @@ class Recipe:
                 bad("kv_cache.memory_utilization", kv.memory_utilization, "expected a fraction in (0, 1]")
         if kv.k_scale <= 0 or kv.v_scale <= 0:
             bad("kv_cache.k_scale/v_scale", (kv.k_scale, kv.v_scale), "scales must be positive")
+        self._validate_compile(bad)
         bs = self.decode.batch_sizes
         if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
             bad("decode.batch_sizes", bs, "expected a non-empty list of positive integers")
@@ -185,10 +210,27 @@ class Recipe:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
                                              f"(every rank holds at least one token)")
-            if (b // t.vtp) % t.a2a_batch_groups:
-                bad("decode.batch_sizes", b, f"rows per vocab rank ({b // t.vtp}) must be a multiple of "
-                                             f"a2a_batch_groups = {t.a2a_batch_groups}")
         return self
+
+    def _validate_compile(self, bad) -> None:
+        c = self.compile
+        for key, entry in (("compile.kernels.decode", c.kernels.decode), ("compile.kernels.tail", c.kernels.tail)):
+            if not _ENTRY_POINT.match(entry):
+                bad(key, entry, "expected module:function, e.g. nkilib.experimental.gpt_oss_tail:"
+                                "gpt_oss_tail_chunked_megakernel")
+        names = []
+        for sw in c.kernel_switches:
+            if not isinstance(sw, str) or not _SWITCH.match(sw):
+                bad("compile.kernel_switches", sw, "expected NAME=VALUE strings (environment switches)")
+            names.append(sw.partition("=")[0])
+        if len(set(names)) != len(names):
+            bad("compile.kernel_switches", c.kernel_switches, "each switch once")
+        kv_update = KV_UPDATE_SWITCH.partition("=")[0]
+        on = [sw for sw in c.kernel_switches if sw.partition("=")[0] == kv_update and sw.partition("=")[2]]
+        if self.backend == "neuron" and not on:
+            bad("compile.kernel_switches", c.kernel_switches,
+                f"the decode step must write the new token's K/V: keep {KV_UPDATE_SWITCH} (the kernel reads "
+                f"bool(os.environ.get('{kv_update}')) while tracing: any non-empty value turns it on)")
 
     def check_against(self, cfg: GptOssConfig) -> "Recipe":
         """Reject a topology the model cannot be split into, naming the key and the valid values."""
@@ -211,6 +253,12 @@ class Recipe:
             raise GkError(f"{where}: topology.vtp: {t.vtp} does not divide the vocabulary of {cfg.V}")
         if self.tail.k > cfg.V:
             raise GkError(f"{where}: tail.k: {self.tail.k} exceeds the vocabulary of {cfg.V}")
+        if t.a2a_batch_groups > 1:
+            for b in self.decode.batch_sizes:
+                why = batch_groups_refusal(b, t.vtp, self.hops, t.a2a_batch_groups, cfg.V, self.tail.k)
+                if why:
+                    raise GkError(f"{where}: topology.a2a_batch_groups: {t.a2a_batch_groups} is refused by the tail "
+                                  f"kernel at batch {b}: {why}")
         want = tuple(SLIDING if i % 2 == 0 else FULL for i in range(cfg.L))
         if cfg.layer_types != want:
             raise GkError(f"{where}: source: the GK decode bakes even = sliding, odd = full attention layers; "

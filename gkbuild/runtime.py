@@ -22,18 +22,77 @@ from .layout.kv import KvLayout
 
 @dataclass
 class KvBuffers:
-    """One rank's KV cache: one allocation per group [2, num_blocks, kv, block, d] (K half, V half)."""
+    """One rank's KV cache in the build's form (``layout.form``).
+
+    ``allocations`` are the tensors a runtime hands the device: stacked, the K and the V tensor
+    ``[L, num_blocks, kv, block, d]``; per-buffer, one ``[2, num_blocks, kv, block, d]`` a layer pair.
+    ``k(layer)`` / ``v(layer)`` are that layer's entry as the kernel reads it (packed FP8 K:
+    ``[num_blocks, kv, block/2, d, 2]``, the same bytes). trn2's float8_e4m3 (max 240) is held as
+    raw bytes and viewed as float8_e4m3fn, whose bit patterns are the same within +-240 (torch has
+    no IEEE-style e4m3); ``dtype`` names the format the bytes are in.
+    """
 
     layout: KvLayout
-    buffers: list  # torch tensors
+    allocations: list  # torch tensors
 
-    def k(self, group: int):
-        """The K half as the kernel takes it (packed FP8: [blocks, kv, block/2, d, 2], same bytes)."""
-        k = self.buffers[group][0]
-        return k.view(self.layout.k_packed_shape) if self.layout.packed else k
+    @property
+    def dtype(self) -> str:
+        return self.layout.dtype
 
-    def v(self, group: int):
-        return self.buffers[group][1]
+    def _carrier(self, t):
+        import torch
+
+        return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+    def _k_entry(self, e: int):
+        lay = self.layout
+        k = self.allocations[0][e] if lay.form == "stacked" else self.allocations[e][0]
+        return self._carrier(k.view(lay.k_block_shape) if lay.packed else k)
+
+    def _v_entry(self, e: int):
+        lay = self.layout
+        return self._carrier(self.allocations[1][e] if lay.form == "stacked" else self.allocations[e][1])
+
+    def k(self, layer: int):
+        """Layer ``layer``'s K entry as the kernel takes it (packed FP8: [nb, kv, block/2, d, 2])."""
+        return self._k_entry(self.layout.entry_of(layer))
+
+    def v(self, layer: int):
+        return self._v_entry(self.layout.entry_of(layer))
+
+    def arguments(self) -> dict:
+        """The decode kernel's KV arguments by name (views of the allocations)."""
+        lay = self.layout
+        if lay.form == "stacked":
+            k = self.allocations[0]
+            k = k.view([lay.entries] + lay.k_block_shape) if lay.packed else k
+            return {"K_cache": self._carrier(k), "V_cache": self._carrier(self.allocations[1])}
+        out = {f"K_cache_buf_{j}": self._k_entry(j) for j in range(lay.entries)}
+        out.update({f"V_cache_buf_{j}": self._v_entry(j) for j in range(lay.entries)})
+        return out
+
+    @classmethod
+    def from_arguments(cls, layout: KvLayout, args: dict) -> "KvBuffers":
+        """The inverse of :meth:`arguments`: buffers over tensors given as kernel arguments
+        (what a compiled program receives)."""
+        if layout.form == "stacked":
+            return _KvArgs(layout, [args["K_cache"]], [args["V_cache"]])
+        return _KvArgs(layout, [args[f"K_cache_buf_{j}"] for j in range(layout.entries)],
+                       [args[f"V_cache_buf_{j}"] for j in range(layout.entries)])
+
+
+class _KvArgs(KvBuffers):
+    """KV buffers seen through the kernel's arguments (entries already in the kernel's view)."""
+
+    def __init__(self, layout: KvLayout, k: list, v: list):
+        super().__init__(layout, k + v)
+        self._k, self._v = k, v
+
+    def _k_entry(self, e: int):
+        return self._k[0][e] if self.layout.form == "stacked" else self._k[e]
+
+    def _v_entry(self, e: int):
+        return self._v[0][e] if self.layout.form == "stacked" else self._v[e]
 
 
 class Build:
@@ -131,11 +190,12 @@ class Build:
     def kv_layout(self) -> KvLayout:
         kv = self.manifest["layout"]["kv"]
         doc = _read_json(self.root / kv["file"])
-        return KvLayout(**{k: doc[k] for k in ("num_layers", "groups", "num_blocks", "kv_heads", "block_size",
+        return KvLayout(**{k: doc[k] for k in ("form", "num_layers", "num_blocks", "kv_heads", "block_size",
                                                 "head_dim", "dtype", "itemsize", "packed")})
 
     def allocate_kv(self, num_blocks: int | None = None) -> KvBuffers:
-        """Zeroed KV buffers for one rank (optionally fewer blocks than the build's budget)."""
+        """Zeroed KV buffers for one rank in the build's form (optionally fewer blocks than the
+        build's budget)."""
         import dataclasses
 
         import torch
@@ -143,10 +203,8 @@ class Build:
         lay = self.kv_layout()
         if num_blocks is not None:
             lay = dataclasses.replace(lay, num_blocks=num_blocks)
-        # Both FP8 formats are carried as torch.float8_e4m3fn: below the e4m3 max of 240 they share
-        # every bit pattern, and values are clamped to the format's max before the cast.
-        dt = torch.bfloat16 if lay.dtype == "bf16" else torch.float8_e4m3fn
-        return KvBuffers(lay, [torch.zeros(lay.buffer_shape, dtype=dt) for _ in range(lay.groups)])
+        dt = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.uint8}[lay.dtype]
+        return KvBuffers(lay, [torch.zeros(lay.allocation_shape, dtype=dt) for _ in range(lay.allocations)])
 
     def close(self) -> None:
         for m in self._maps.values():

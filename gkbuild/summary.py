@@ -99,16 +99,18 @@ def plan_tables(plan) -> list:
     rows = [
         ("weights per rank", human_bytes(j["bytes_per_rank"])),
         ("weights on disk (deduplicated)", human_bytes(j["disk_bytes"])),
-        ("KV buffers", f"{kv['groups']} x {kv['buffer_shape']} {kv['dtype']}"
-                       + (f", K packed {kv['k_packed_shape']}" if kv["packed"] else "")),
+        ("KV cache", f"{kv['form']}: {kv['allocations']} x {kv['allocation_shape']} {kv['dtype']}"
+                     + (f", K entry packed {kv['k_entry_shape']}" if kv["packed"] else "")),
         ("KV bytes per rank", f"{kv['bytes_per_rank']:,} ({human_bytes(kv['bytes_per_rank'])})"),
-        ("KV budget", f"{kv['num_blocks']} blocks ({budget['mode']}"
+        ("KV budget", f"{kv['num_blocks']:,} blocks ({budget['mode']}"
                       + (f": {human_bytes(budget['usable_bytes'])} usable - {human_bytes(budget['weight_bytes'])}"
-                         f" weights)" if budget["mode"] == "hbm" else ")")),
-        ("DMA offset check", f"{'ok' if dma['fits'] else 'OVER'}: a buffer half spans "
-                             f"{human_bytes(dma['half_span_bytes'])} < 4 GiB; at most "
-                             f"{dma['max_num_blocks_per_buffer']:,} blocks per buffer (a single stacked "
-                             f"tensor would allow {dma['max_num_blocks_single_stacked_tensor']:,})"),
+                         f" weights" + (f", capped by the DMA limit from {budget['fits_blocks']:,}"
+                                        if budget["capped_by_dma"] else "") + ")"
+                         if budget["mode"] == "hbm" else ")")),
+        ("DMA offset check", f"{'ok' if dma['fits'] else 'OVER'}: one DMA base spans "
+                             f"{human_bytes(dma['span_bytes'])} of 4 GiB; at most {dma['max_num_blocks']:,} blocks "
+                             f"in this form (stacked {dma['max_num_blocks_stacked']:,}, per-buffer "
+                             f"{dma['max_num_blocks_per_buffer']:,})"),
         ("tail", f"vocab {j['tail']['vocab_per_rank']} a rank, hops {j['tail']['hops']}, k {j['tail']['k']}"),
         ("softmax_scale", f"{j['scalars']['softmax_scale']:.6g}"),
     ]
@@ -132,7 +134,7 @@ def build_tables(s: dict) -> list:
         ("source", s["source"].get("uri", "")),
         ("files", f"{s['files']} ({human_bytes(s['bytes'])} on disk)"),
         ("per rank", human_bytes(s["bytes_per_rank"])),
-        ("KV", f"{kv['groups']} x {kv['buffer_shape']} {kv['dtype']}{' packed K' if kv['packed'] else ''}, "
+        ("KV", f"{kv['form']} {kv['allocation_shape']} {kv['dtype']}{' packed K' if kv['packed'] else ''}, "
                f"{kv['num_blocks']} blocks, {human_bytes(kv['bytes_per_rank'])} a rank"),
         ("tail", f"vocab {s['tail']['vocab_per_rank']} a rank, k {s['tail']['k']}"),
         ("compile", f"{s['compile']['status']} ({s['compile']['artifacts']} artifacts)"),

@@ -36,9 +36,9 @@ def test_120b_rank0_contract_shapes():
     assert rt["gamma"] == ([1, 3072], "fp32")
     assert j["ranks"] == 128
     kv = j["kv"]
-    assert kv["groups"] == 18 and kv["num_blocks"] == 36175 and kv["block_size"] == 128
-    assert kv["bytes_per_rank"] == 10_668_441_600
-    assert kv["k_packed_shape"] == [36175, 1, 64, 64, 2]
+    assert kv["form"] == "stacked" and kv["entries"] == 36 and kv["num_blocks"] == 14563
+    assert kv["block_size"] == 128 and kv["bytes_per_rank"] == 36 * 2 * 14563 * 8192
+    assert kv["k_entry_shape"] == [14563, 1, 64, 64, 2] and kv["allocation_shape"] == [36, 14563, 1, 128, 64]
     assert j["tail"] == {"vocab_per_rank": 1571, "hops": [8, 16], "k": 256}
     assert j["bytes_per_rank"] == sum(s.nbytes for _, s in _plan("gpt-oss-120b-trn2").rank_tensors(0).values())
     assert j["scalars"]["softmax_scale"] == pytest.approx(0.125)
@@ -77,7 +77,9 @@ def test_files_are_unique_and_dedup():
     ({"topology.hops": "[4, 16]"}, r"hop sizes must multiply to vtp = 128"),
     ({"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 2, "kv_cache.memory_utilization": 0.9},
      r"the KV budget does not fit: 1.93 GiB of weights per rank leave 0.00 GiB of 1.80 GiB usable"),
-    ({"kv_cache.num_blocks": 600000}, r"over the 2\^32 DMA offset limit; at most 524288"),
+    ({"kv_cache.num_blocks": 14564}, r"exceed the uint32 DMA offset cap of 14,563 for the stacked form .*"
+                                     r"per_buffer lifts it to 524,288"),
+    ({"kv_cache.num_blocks": 600000, "kv_cache.form": "per_buffer"}, r"cap of 524,288 for the per_buffer form"),
 ])
 def test_bad_recipes_against_the_real_config(over, message):
     with pytest.raises(GkError, match=message):
@@ -88,10 +90,13 @@ def test_budget_mode():
     p = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                        "kv_cache.memory_utilization": 0.9})
     j = p.to_json()["kv"]
-    per_block = 18 * 2 * 8192
     usable = int(24 * 2**30 * 0.9)
-    assert j["num_blocks"] == (usable - p.weight_bytes(0)) // per_block
-    assert j["budget"]["mode"] == "hbm"
+    fit = (usable - p.weight_bytes(0)) // (36 * 2 * 8192)  # stacked: an entry a layer
+    assert j["num_blocks"] == min(fit, 14563) and j["budget"]["mode"] == "hbm"
+    assert j["budget"]["fits_blocks"] == fit and j["budget"]["capped_by_dma"] == (fit > 14563)
+    pb = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
+                                        "kv_cache.memory_utilization": 0.9, "kv_cache.form": "per_buffer"})
+    assert pb.to_json()["kv"]["num_blocks"] == (usable - pb.weight_bytes(0)) // (18 * 2 * 8192)
 
 
 def test_plan_cli_against_a_hub_cache(tmp_path):
@@ -108,7 +113,7 @@ def test_plan_cli_against_a_hub_cache(tmp_path):
     assert "warning" not in r.stderr
     j = json.loads(r.stdout)
     assert j["rank_tensors"]["W_qkv"]["shape"] == [36, 3072, 640]
-    assert j["kv"]["bytes_per_rank"] == 10_668_441_600
+    assert j["kv"]["bytes_per_rank"] == 36 * 2 * 14563 * 8192
     # without the cache: the built-in config, said out loud
     shutil.rmtree(tmp_path / "hub")
     r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--json", env=env)

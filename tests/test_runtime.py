@@ -37,18 +37,24 @@ def test_load_rank_zero_copy(built):
 
 
 def test_allocate_kv(built):
+    """trn2 FP8: stacked K and V tensors of raw e4m3 bytes; each layer's entry in the kernel's view."""
     b = Build.open(built)
     kv = b.allocate_kv()
-    assert len(kv.buffers) == 1 and tuple(kv.buffers[0].shape) == (2, 80, 1, 4, 32)
-    assert kv.buffers[0].dtype == torch.float8_e4m3fn
-    k = kv.k(0)
-    assert tuple(k.shape) == (80, 1, 2, 32, 2)
-    assert k.data_ptr() == kv.buffers[0].data_ptr()  # same bytes
-    assert kv.v(0).data_ptr() == kv.buffers[0].data_ptr() + 80 * 4 * 32
+    assert kv.dtype == "fp8_e4m3" and len(kv.allocations) == 2
+    assert [tuple(a.shape) for a in kv.allocations] == [(2, 80, 1, 4, 32)] * 2
+    assert kv.allocations[0].dtype == torch.uint8  # torch has no IEEE-style e4m3: raw bytes
+    k = kv.k(1)
+    assert tuple(k.shape) == (80, 1, 2, 32, 2) and k.dtype == torch.float8_e4m3fn  # the carrier view
+    assert k.data_ptr() == kv.allocations[0].data_ptr() + 80 * 4 * 32  # layer 1's entry, same bytes
+    assert kv.v(0).data_ptr() == kv.allocations[1].data_ptr()
+    args = kv.arguments()
+    assert tuple(args["K_cache"].shape) == (2, 80, 1, 2, 32, 2) and tuple(args["V_cache"].shape) == (2, 80, 1, 4, 32)
+    again = type(kv).from_arguments(kv.layout, args)
+    assert again.k(1).data_ptr() == k.data_ptr() and again.v(1).data_ptr() == kv.v(1).data_ptr()
 
 
 @pytest.mark.parametrize("change, kwargs, message", [
-    ({"schema_version": 2}, {}, r"schema_version 2 is not supported"),
+    ({"schema_version": 99}, {}, r"schema_version 99 is not supported"),
     ({"name": "renamed"}, {}, r"build_id .* is not the hash of the manifest's content"),
     ({}, {"target": "trn3"}, r"built for target 'trn2', not 'trn3'"),
     ({}, {"world_size": 64}, r"built for 128 ranks \(TP8 x DP16\), this runtime has 64"),

@@ -1,56 +1,52 @@
-"""The Neuron backend: the GK decode and the sampling-tail NKI kernels compiled to LNC=1 NEFFs.
+"""The Neuron backend: the GK decode and the sampling-tail NKI kernels compiled to LNC=1 NEFFs,
+one per program and decode batch size (NEFF shapes are static).
 
-What it runs on a Trainium host (Neuron SDK: torch-neuronx, torch-xla, neuronx-cc, nki; and the
-recipe's pinned nki-library importable), for each program (decode, tail):
+What it runs for each program of a trn2/trn3 build (the Neuron SDK installed: torch-neuronx,
+torch-xla, neuronx-cc, nki):
 
-1. call the NKI kernel on XLA tensors shaped like the program's signature (weights, per-buffer
-   K/V, control inputs), with the plan's scalars and rank meshes (``kernel_arguments``);
-2. take the HLO module proto of its outputs (``torch_xla._XLAC._get_xla_tensors_hlo_proto``);
-3. run ``invocation(...)``, printed by ``gkbuild plan --show-compile``:
-       neuronx-cc compile --framework=XLA .gkbuild/neuron/<program>.hlo.pb --output compiled/<program>.neff
+1. resolve ``compile.nki_library`` (a pinned git commit, cloned once into ``$GKBUILD_CACHE``, or a
+   local folder) and its import roots (``kernel_source``);
+2. trace in a process of its own (``neuron_trace``), with an environment holding exactly the
+   recipe's ``compile.kernel_switches`` among the kernels' ``VLLM_NEURON_MEGA_*`` switches (KV
+   write-back on), and, with ``compile.trace: host`` (the default), the SDK's CPU compile mode
+   (``NEURON_PLATFORM_TARGET_OVERRIDE=<target>``, ``PJRT_DEVICE=CPU``: no NeuronCore needed, so a
+   plain x86 CI runner with the SDK compiles NEFFs). It imports ``compile.kernels.<program>``,
+   checks the argument set against the kernel's real signature (one line naming what is missing or
+   extra), calls the kernel on XLA tensors of the signature's per-rank shapes and dtypes, and
+   writes the HLO module proto to ``.gkbuild/neuron/<program>-b<B>.hlo.pb``;
+3. run ``invocation(...)`` (printed by ``gkbuild plan --show-compile``):
+       neuronx-cc compile --framework=XLA <hlo> --output compiled/<program>-b<B>.neff
          --target=<trn2|trn3> --lnc=1 --model-type=transformer --auto-cast=none -O<level>
-         --logfile=.gkbuild/neuron/<program>.neuronx-cc.log
-   (the HLO and the compiler log stay in the build's state folder; only NEFFs are the build)
+         --logfile=.gkbuild/neuron/<program>-b<B>.neuronx-cc.log
 4. read the NEFF header (``neff.read``) into the manifest.
 
-One NEFF a program serves every rank (an SPMD kernel: rank_id is an input). Nothing here is
-imported until a Neuron build runs; without the SDK the stage is recorded as skipped.
+One NEFF a program serves every rank (SPMD: ``rank_id`` is an input). Nothing of the SDK is imported
+in this process; without it the stage is recorded as skipped.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import importlib.util
+import json
+import os
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
 from ..errors import GkError
-from ..layout.tail import compose_hops
+from . import kernel_source
 from .signature import Signature
 
 COMPILER = "neuronx-cc"
 SDK_MODULES = ("torch_neuronx", "torch_xla", "neuronxcc", "nki")
-KERNELS = {
-    "decode": ("nkilib_src.nkilib.models.gpt_oss.c128_giga_kernel.experimental.gpt_oss.gpt_oss_decode_layer_dp_tp_ep",
-               "gpt_oss_decode_mega_kernel"),
-    "tail": ("nkilib.experimental.gpt_oss_tail", "gpt_oss_tail_chunked_megakernel"),
-}
-# signature name -> the GK kernel's argument name, where they differ
-DECODE_NAMES = {"x": "x_shard", "block_table": "active_blocks_table", "block_table_swa": "active_blocks_table_swa",
-                "pos": "pos_ids", "pos_swa": "pos_ids_swa", "swa_start": "swa_start_pos_ids",
-                "update_idx": "kv_cache_update_idx", "update_idx_swa": "kv_cache_update_idx_swa"}
-TAIL_NAMES = {"hidden": "hidden_states"}
+SWITCH_PREFIX = "VLLM_NEURON_MEGA_"  # the published kernels' trace-time switches
+MESHES = ("tp_replica_group", "ep_replica_group", "hop_meshes")
 
 
 def sdk() -> str | None:
-    """None when the Neuron SDK imports, else why not."""
-    missing = []
-    for m in SDK_MODULES:
-        try:
-            importlib.import_module(m)
-        except ImportError:
-            missing.append(m)
+    """None when the Neuron SDK is importable, else why not (nothing is imported)."""
+    missing = [m for m in SDK_MODULES if importlib.util.find_spec(m) is None]
     return f"Neuron SDK not installed (no {', '.join(missing)})" if missing else None
 
 
@@ -67,92 +63,76 @@ def flags(recipe) -> list[str]:
             f"-O{recipe.compile.optimization_level}"]
 
 
-def invocation(program: str, recipe, build_dir: Path) -> list[str]:
-    """The exact neuronx-cc command line for one program of a build in ``build_dir``."""
-    work, out = workdir(build_dir), Path(build_dir) / "compiled"
-    return [COMPILER, "compile", "--framework=XLA", str(work / f"{program}.hlo.pb"), "--output",
-            str(out / f"{program}.neff"), *flags(recipe), f"--logfile={work / f'{program}.neuronx-cc.log'}"]
-
-
 def workdir(build_dir: Path) -> Path:
     from ..pipeline.state import STATE_DIR
 
     return Path(build_dir) / STATE_DIR / "neuron"
 
 
-def kernel_arguments(plan, program: str) -> dict:
-    """The non-tensor arguments the kernel takes: scalars and rank meshes from the plan."""
-    s, t, r = plan.scalars, plan.recipe.topology, plan.recipe
-    if program == "tail":
-        return {"eps": s["eps"], "hidden_actual": s["hidden_actual"], "zero_interleaved_pad": True,
-                "k": r.tail.k, "emit_logits": r.tail.emit_logits,
-                "hop_meshes": compose_hops(t.vtp, r.hops), "a2a_batch_groups": t.a2a_batch_groups}
-    b = max(r.decode.batch_sizes)
-    return {"tp_replica_group": plan.meshes["tp_replica_group"], "ep_replica_group": plan.meshes["ep_replica_group"],
-            "num_layers": s["num_layers"], "tp_size": s["tp_size"], "ep_size": s["ep_size"],
-            "B_attn": b // t.dp, "S_tkg": 1, "top_k": s["top_k"], "eps": s["eps"], "hidden_actual": s["hidden_actual"],
-            "softmax_scale": s["softmax_scale"], "gate_clamp_upper_limit": s["gate_clamp_upper_limit"],
-            "up_clamp_upper_limit": s["up_clamp_upper_limit"], "up_clamp_lower_limit": s["up_clamp_lower_limit"]}
+def invocation(sig: Signature, recipe, build_dir: Path) -> list[str]:
+    """The exact neuronx-cc command line for one program of a build in ``build_dir``."""
+    work, out = workdir(build_dir), Path(build_dir) / "compiled"
+    return [COMPILER, "compile", "--framework=XLA", str(work / f"{sig.key}.hlo.pb"), "--output",
+            str(out / f"{sig.key}.neff"), *flags(recipe), f"--logfile={work / f'{sig.key}.neuronx-cc.log'}"]
 
 
-def tensor_names(sig: Signature) -> dict[str, str]:
-    """Signature input -> kernel argument name (per-buffer K/V as the GK integration names them)."""
-    table = DECODE_NAMES if sig.program == "decode" else TAIL_NAMES
-    out = {}
-    for i in sig.inputs:
-        if i.kind == "kv_buffer":
-            half, g = i.name.split("_cache_")
-            out[i.name] = f"{half}_cache_buf_{g}"
-        else:
-            out[i.name] = table.get(i.name, i.name)
-    return out
+def switches(recipe) -> dict[str, str]:
+    return dict(sw.partition("=")[::2] for sw in recipe.compile.kernel_switches)
 
 
-def _kernel(program: str):
-    module, name = KERNELS[program]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        raise GkError(f"the {program} kernel {module}.{name} is not importable: install the nki-library revision "
-                      f"the recipe pins (compile.nki_library)") from None
+def trace_environment(recipe, base: dict | None = None) -> dict[str, str]:
+    """The trace process's environment: the caller's, less any kernel switch it happens to carry,
+    plus the recipe's switches (and the CPU compile mode for ``trace: host``)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SWITCH_PREFIX)}
+    env.update(switches(recipe))
+    if recipe.compile.trace == "host":
+        env.update(NEURON_PLATFORM_TARGET_OVERRIDE=recipe.target, PJRT_DEVICE="CPU")
+    return env
 
 
-def build(plan, sig: Signature, build_dir: Path) -> Path:
-    """Trace one program's NKI kernel to HLO and compile it with neuronx-cc; returns the NEFF."""
-    import torch
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    from nki.collectives import ReplicaGroup
+def kernel_entry(recipe, program: str) -> str:
+    return getattr(recipe.compile.kernels, program)
 
-    from .programs import example_inputs
 
-    kernel = _kernel(sig.program)
-    names = tensor_names(sig)
-    extra = kernel_arguments(plan, sig.program)
-    for mesh_arg in ("tp_replica_group", "ep_replica_group"):
-        if mesh_arg in extra:
-            extra[mesh_arg] = ReplicaGroup(extra[mesh_arg])
-    if "hop_meshes" in extra:
-        extra["hop_meshes"] = tuple(ReplicaGroup(m) for m in extra["hop_meshes"])
-    accepted = inspect.signature(kernel).parameters
-    unknown = [n for n in list(names.values()) + list(extra) if n not in accepted]
-    if unknown:
-        raise GkError(f"the pinned {sig.program} kernel does not take {unknown[:6]}: pin an nki-library revision "
-                      f"with the per-buffer GK decode (compile.nki_library)")
-    device = xm.xla_device()
-    tensors = {names[i.name]: a.to(device)
-               for i, a in zip(sig.inputs, example_inputs(sig, max(plan.recipe.decode.batch_sizes)))}
-    if sig.program == "decode":
-        tensors["rank_id"] = torch.zeros(1, dtype=torch.int32, device=device)
-    outs = kernel(**tensors, **extra)
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+def kernel_record(recipe, source: kernel_source.KernelSource) -> dict:
+    """What the manifest and the compile key say about the kernels compiled."""
+    return {"source": source.describe(), "revision": kernel_source.revision(source),
+            "decode": recipe.compile.kernels.decode, "tail": recipe.compile.kernels.tail,
+            "switches": switches(recipe), "trace": recipe.compile.trace}
+
+
+def trace_spec(sig: Signature, entry: str, paths: list[str], hlo: Path) -> dict:
+    scalars = {k: (_lists(v) if k in MESHES else v) for k, v in sig.scalars.items()}
+    return {"program": sig.program, "kernel": entry, "paths": paths, "hlo": str(hlo),
+            "inputs": [i.to_dict() for i in sig.inputs], "scalars": scalars,
+            "meshes": [k for k in MESHES if k in scalars]}
+
+
+def _lists(v):
+    return [_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def build(plan, sig: Signature, build_dir: Path, source: kernel_source.KernelSource, cache: Path) -> Path:
+    """Trace one program's kernel to HLO and compile it with neuronx-cc; returns the NEFF."""
+    r = plan.recipe
+    root = kernel_source.checkout(source, cache)
     work = workdir(build_dir)
     work.mkdir(parents=True, exist_ok=True)
     (Path(build_dir) / "compiled").mkdir(parents=True, exist_ok=True)
-    (work / f"{sig.program}.hlo.pb").write_bytes(bytes(torch_xla._XLAC._get_xla_tensors_hlo_proto(outs)))
-    cmd = invocation(sig.program, plan.recipe, build_dir)
+    hlo = work / f"{sig.key}.hlo.pb"
+    spec_path = work / f"{sig.key}.trace.json"
+    spec_path.write_text(json.dumps(trace_spec(sig, kernel_entry(r, sig.program), kernel_source.import_roots(root),
+                                               hlo), indent=1))
+    done = subprocess.run([sys.executable, "-m", "gkbuild.compile.neuron_trace", str(spec_path)],
+                          env=trace_environment(r), capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
+        said = next((ln.removeprefix("gkbuild-trace: ") for ln in lines if ln.startswith("gkbuild-trace: ")),
+                    lines[-1] if lines else "(no output)")
+        raise GkError(f"{sig.key}: {said}")
+    cmd = invocation(sig, r, build_dir)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise GkError(f"neuronx-cc failed on the {sig.program} program (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
-    return Path(build_dir) / "compiled" / f"{sig.program}.neff"
+        raise GkError(f"neuronx-cc failed on {sig.key} (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
+    return Path(build_dir) / "compiled" / f"{sig.key}.neff"

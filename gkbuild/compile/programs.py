@@ -7,38 +7,28 @@ import torch
 
 from ..kernels import decode as dec, tail as tl
 from ..kernels.collectives import Single
+from ..layout.kv import KvLayout
+from ..runtime import KvBuffers
 from .signature import Signature
-
-
-class _Buffers:
-    def __init__(self, k: list, v: list):
-        self._k, self._v = k, v
-
-    def k(self, g: int):
-        return self._k[g]
-
-    def v(self, g: int):
-        return self._v[g]
 
 
 class DecodeProgram(torch.nn.Module):
     """One decode step of one rank (world size 1): (x, control..., weights..., K..., V...) ->
     (x_out, hidden_states [L, B, Hp]); the new token's K/V is written into the K/V inputs in place."""
 
-    def __init__(self, sig: Signature, sc: dec.Scalars):
+    def __init__(self, sig: Signature, sc: dec.Scalars, kv: KvLayout):
         super().__init__()
         self.names = [i.name for i in sig.inputs]
         self.weights = sig.names("weight")
-        self.k = [n for n in sig.names("kv_buffer") if n.startswith("K_")]
-        self.v = [n for n in sig.names("kv_buffer") if n.startswith("V_")]
-        self.sc = sc
+        self.kv_names = sig.names("kv_buffer")
+        self.sc, self.kv = sc, kv
 
     def forward(self, *args):
         a = dict(zip(self.names, args))
         ctl = dec.Control(**{f: a[f] for f in dec.Control.FIELDS})
         hid: list = []
-        x = dec.step({n: a[n] for n in self.weights}, a["x"], _Buffers([a[n] for n in self.k], [a[n] for n in self.v]),
-                     ctl, self.sc, Single(), hid)
+        kv = KvBuffers.from_arguments(self.kv, {n: a[n] for n in self.kv_names})
+        x = dec.step({n: a[n] for n in self.weights}, a["x"], kv, ctl, self.sc, Single(), hid)
         return x, torch.stack(hid)
 
 

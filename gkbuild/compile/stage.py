@@ -1,12 +1,14 @@
 """The compile stage of a build: trace the decode and tail programs and compile them.
 
-cpu / cuda targets: the inductor backend (``compiled/{decode,tail}.pt2``). trn2 / trn3: the neuron
-backend (``compiled/{decode,tail}.neff``); without the Neuron SDK that part is recorded as
+cpu / cuda targets: the inductor backend (``compiled/{decode,tail}.pt2``, one dynamic-batch
+program each). trn2 / trn3: the neuron backend, one NEFF a program and decode batch size
+(``compiled/{decode,tail}-b<B>.neff``); without the Neuron SDK that part is recorded as
 ``skipped: Neuron SDK not installed`` and a warning says so (``require_neff`` makes it an error).
 
-The stage's key is the compiler (name, version), its flags, the programs' signatures and scalars
-and the gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph
-inputs, so new weights of the same shapes reuse the artifacts; a new compiler recompiles.
+The stage's key is the compiler (name, version), its flags, every program's signature and kernel
+scalars, the kernels (entry points, source and revision, trace-time switches, trace mode) and the
+gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph inputs,
+so new weights of the same shapes reuse the artifacts; a new compiler or kernel recompiles.
 """
 
 from __future__ import annotations
@@ -16,37 +18,40 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..pipeline.fingerprint import sha256_file
-from ..pipeline.state import key
 from ..errors import GkError
 from ..kernels.decode import Scalars
+from ..pipeline.fingerprint import sha256_file
+from ..pipeline.state import key
 from ..progress import warn
-from . import inductor, neff, neuron, signature
+from . import inductor, kernel_source, neff, neuron, signature
 from .programs import DecodeProgram, TailProgram
 
 OUT = "compiled"
-
-
-def signatures(plan) -> list[signature.Signature]:
-    return [signature.decode(plan), signature.tail(plan)]
+KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
 
 
 def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, flags: list[str],
-           status: str) -> dict:
-    e = {"name": sig.program, "format": fmt, "path": path, "size": None, "sha256": None, "target": target,
-         "compiler": comp, "flags": flags, "inputs": [i.to_dict() for i in sig.inputs], "outputs": list(sig.outputs),
-         "status": status}
+           status: str, kernel: dict | None) -> dict:
+    e = {"name": sig.key, "program": sig.program, "batch_size": sig.batch, "format": fmt, "path": path,
+         "size": None, "sha256": None, "target": target, "compiler": comp, "flags": flags,
+         "inputs": [i.to_dict() for i in sig.inputs], "outputs": list(sig.outputs), "status": status}
+    if sig.scalars:
+        e["scalars"] = sig.scalars
+    if kernel is not None:
+        e["kernel"] = {"entry": kernel[sig.program], "source": kernel["source"], "revision": kernel["revision"],
+                       "switches": kernel["switches"], "trace": kernel["trace"]}
     if path and (out / path).exists():
         e["size"], e["sha256"] = (out / path).stat().st_size, sha256_file(out / path)
-    if sig.program == "decode":
-        e["kv_update"] = "in-place: the program writes the new token's K/V into the K/V buffers it is given"
+    if sig.program in KV_UPDATE:
+        e["kv_update"] = KV_UPDATE[sig.program]
     return e
 
 
 def run(plan, out: Path, state, progress, require_neff: bool = False):
     """(manifest compile entry, stage key, status, detail) for the compile stage."""
     r = plan.recipe
-    sigs = signatures(plan)
+    sigs = signature.programs(plan)
+    kernel = None
     if r.backend == "inductor":
         backend, fmt, suffix = inductor, "aoti-pt2", "pt2"
         flags = inductor.flags(r.target, r.decode.batch_sizes)
@@ -55,18 +60,21 @@ def run(plan, out: Path, state, progress, require_neff: bool = False):
         backend, fmt, suffix = neuron, "neff", "neff"
         flags = neuron.flags(r)
         unavailable = neuron.sdk()
+        source = kernel_source.parse(r.compile.nki_library, r.path.parent if r.path else None)
+        kernel = neuron.kernel_record(r, source)
     comp = backend.compiler()
-    k = key("compile", r.backend, comp, flags, [[i.to_dict() for i in s.inputs] for s in sigs], plan.scalars,
-            asdict(r.tail), r.compile.nki_library if r.backend == "neuron" else None, unavailable, __version__)
-    paths = {s.program: f"{OUT}/{s.program}.{suffix}" for s in sigs}
+    k = key("compile", r.backend, r.target, comp, flags,
+            [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
+            plan.scalars, asdict(r.tail), kernel, unavailable, __version__)
+    paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
     if unavailable:
         status = f"skipped: {unavailable}"
         if r.backend == "neuron" and require_neff:
             raise GkError(f"--require-neff: {unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
-                          f"from the Neuron repository) on a Trainium host")
+                          f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        entries = [_entry(s, fmt, None, out, r.target, comp, flags, status) for s in sigs]
+        entries = [_entry(s, fmt, None, out, r.target, comp, flags, status, kernel) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
     t0 = time.perf_counter()
@@ -74,10 +82,12 @@ def run(plan, out: Path, state, progress, require_neff: bool = False):
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
             if r.backend == "inductor":
-                inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.program])
+                inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.key])
             else:
-                neuron.build(plan, s, out)
-    entries = [_entry(s, fmt, paths[s.program], out, r.target, comp, flags, "ok") for s in sigs]
+                from ..checkpoint.source import cache_root
+
+                neuron.build(plan, s, out, source, cache_root())
+    entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags, "ok", kernel) for s in sigs]
     if r.backend == "neuron":
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()
@@ -87,7 +97,7 @@ def run(plan, out: Path, state, progress, require_neff: bool = False):
 
 def _program(plan, sig):
     if sig.program == "decode":
-        return DecodeProgram(sig, Scalars.from_plan(plan, ep_rank=0))
+        return DecodeProgram(sig, Scalars.from_plan(plan, ep_rank=0), plan.kv)
     s = plan.scalars
     return TailProgram(plan.recipe.tail.k, s["eps"], s["hidden_actual"], plan.recipe.tail.emit_logits)
 
@@ -99,7 +109,7 @@ def invocations(plan, out: Path) -> list[str]:
 
     r = plan.recipe
     if r.backend == "neuron":
-        return [shlex.join(neuron.invocation(s.program, r, out)) for s in signatures(plan)]
+        return [shlex.join(neuron.invocation(s, r, out)) for s in signature.programs(plan)]
     return [f"torch.export.export({type(_program(plan, s)).__name__}) -> torch._inductor.aoti_compile_and_package "
-            f"-> {out / OUT}/{s.program}.pt2  [{' '.join(inductor.flags(r.target, r.decode.batch_sizes))}]"
-            for s in signatures(plan)]
+            f"-> {out / OUT}/{s.key}.pt2  [{' '.join(inductor.flags(r.target, r.decode.batch_sizes))}]"
+            for s in signature.programs(plan)]

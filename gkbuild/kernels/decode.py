@@ -237,15 +237,15 @@ def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens:
          guide: RoutingGuide | None = None, memo: dict | None = None) -> torch.Tensor:
     """One decode step of this rank: x [T_shard, Hp] -> [T_shard, Hp].
 
-    ``t``: the rank's tensors by argument name; ``kv``: its buffers (``kv.k(g)`` in the kernel's
-    K view, ``kv.v(g)``), updated in place; ``hiddens`` collects x after every layer; ``guide``
+    ``t``: the rank's tensors by argument name; ``kv``: its KV cache (``kv.k(layer)`` that layer's
+    entry in the kernel's K view, ``kv.v(layer)``; either form), updated in place; ``hiddens`` collects x after every layer; ``guide``
     steers near-tie routing to the reference (verification); ``memo`` caches dequantized experts.
     """
     f = lambda name, i: t[name][i].float()  # noqa: E731
     for i in range(sc.num_layers):
         X = comm.all_gather(x, "tp")
         a = attention(t, i, rms_norm(X, f("input_layernorm_weight", i), sc.eps, sc.hidden_actual),
-                      kv.k(i // 2), kv.v(i // 2), ctl, sc)
+                      kv.k(i), kv.v(i), ctl, sc)
         x = x + comm.reduce_scatter(a @ f("W_out", i) + f("bias_out", i), "tp")
         M = comm.all_gather(x, "ep")
         m = experts(t, i, rms_norm(M, f("post_attn_layernorm_weight", i), sc.eps, sc.hidden_actual), sc, guide, memo)

@@ -35,13 +35,19 @@ class StepResult:
 
 
 class _Blocks:
-    """One DP replica's block ids: full and sliding-window lists per sequence, one shared pool."""
+    """One DP replica's block ids from one pool of ``num_blocks``, as the KV form requires.
 
-    def __init__(self, rows: int, num_blocks: int, block: int, window: int):
+    stacked: every layer has its own entry, so a sequence's sliding and full layers share its
+    block ids: one list a sequence, the sliding table is the window's suffix of it.
+    per_buffer: a buffer's sliding and full layers draw DISJOINT blocks from one pool; sliding
+    blocks are freed once the window has left them (vLLM's hybrid manager), so the pool is reused.
+    """
+
+    def __init__(self, rows: int, num_blocks: int, block: int, window: int, form: str):
         self.free = list(range(num_blocks - 1, -1, -1))
         self.full: list[list[int]] = [[] for _ in range(rows)]
         self.swa: list[dict[int, int]] = [{} for _ in range(rows)]  # logical block -> id
-        self.block, self.window = block, window
+        self.block, self.window, self.shared = block, window, form == "stacked"
 
     def _take(self) -> int:
         if not self.free:
@@ -54,10 +60,12 @@ class _Blocks:
         if len(self.full[row]) <= lb:
             self.full[row].append(self._take())
         if lb not in self.swa[row]:
-            self.swa[row][lb] = self._take()
+            self.swa[row][lb] = self.full[row][lb] if self.shared else self._take()
         first_visible = max(0, pos - self.window + 1)
         for b in [b for b in self.swa[row] if (b + 1) * self.block <= first_visible]:
-            self.free.append(self.swa[row].pop(b))
+            freed = self.swa[row].pop(b)
+            if not self.shared:
+                self.free.append(freed)
 
 
 class Session:
@@ -88,7 +96,8 @@ class Session:
         self.memo: list[dict] = [{} for _ in range(self.world)]  # dequantized experts, per rank
         self.kv = [build.allocate_kv() for _ in range(self.world)]
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
-        self.blocks = [_Blocks(self.rows_attn, kv.num_blocks, self.block, self.window) for _ in range(self.dp)]
+        self.blocks = [_Blocks(self.rows_attn, kv.num_blocks, self.block, self.window, kv.form)
+                       for _ in range(self.dp)]
         self.pos = 0
         self.hops = len(t["hops"])
         meshes = t["meshes"]
@@ -98,7 +107,8 @@ class Session:
             groups = {"tp": meshes["tp_replica_group"], "ep": meshes["ep_replica_group"]}
             groups.update({("hop", i): mesh for i, mesh in enumerate(meshes["tail_hop_meshes"])})
             self.emulator = Emulator(groups)
-        self.owned = [owned_rows(r % self.vtp, self.vtp, batch, t["hops"], t["a2a_batch_groups"])
+        self.groups = t["a2a_batch_groups"]
+        self.owned = [owned_rows(r % self.vtp, self.vtp, batch, t["hops"], self.groups)
                       for r in range(self.world)]
         self.k = m["layout"]["tail"]["k"]
         self.to_hf = torch.from_numpy(hidden_layout.sigma(hp))
@@ -151,7 +161,7 @@ class Session:
             x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo[r])
             everything = comm.all_gather(x, "ep")
             out = tail.step(everything, t["gamma"], t["lm_head_weight_t"], comm, self.hops, self.k, sc.eps,
-                            sc.hidden_actual, params=greedy, emit_logits=True)
+                            sc.hidden_actual, params=greedy, emit_logits=True, batch_groups=self.groups)
             return out, ([comm.all_gather(h, "ep") for h in hid] if hid is not None else None)
 
         if self.engine == "compiled":
@@ -175,6 +185,7 @@ class Session:
         t, kv = self.tensors[0], self.kv[0]
         x = t["embed_tokens"][tokens].to(torch.float32)
         program, inputs = self.programs["decode"]
+        kv_args = kv.arguments()  # the buffers the program updates in place
         args = []
         for i in inputs:
             n = i["name"]
@@ -184,9 +195,8 @@ class Session:
                 args.append(getattr(ctl, n))
             elif i["kind"] == "weight":
                 args.append(t[n])
-            else:  # K_cache_<g> / V_cache_<g>: the buffers the program updates in place
-                g = int(n.rsplit("_", 1)[1])
-                args.append(kv.k(g) if n.startswith("K_") else kv.v(g))
+            else:
+                args.append(kv_args[n])
         x, hidden = program(*args)
         tail_program, _ = self.programs["tail"]
         tokens_out, values, indices, *logits = tail_program(x, params, t["gamma"], t["lm_head_weight_t"])

@@ -3,6 +3,7 @@
     h      = rmsnorm(hidden [gbs, Hp]) * gamma          fp32, over the real hidden size
     logits = bf16(h) @ lm_head_weight_t [Hp, V_s]        bf16 operands, fp32 accumulation
     rows   = all-to-all of bf16(logits), hop by hop     -> this rank's rows, the full vocabulary
+             (or one exchange per batch group)
     top-k  (k candidates, stable: ties keep the lower token id), then the sampler
 
 Sampler (per owned row, params [top_k, top_p, temperature, (u)]): greedy below temperature 1e-5;
@@ -60,13 +61,23 @@ def sample(values: torch.Tensor, indices: torch.Tensor, params: torch.Tensor) ->
     return indices.gather(1, pick).squeeze(1)
 
 
+def exchange(rows: torch.Tensor, comm, hops: int, batch_groups: int = 1) -> torch.Tensor:
+    """The all-to-all from vocab-parallel to batch-parallel: hop by hop; or, with G batch groups
+    (single hop), one exchange per group of gbs/G rows, so this rank receives its rows of every
+    group in group order (``owned_rows``'s strided set)."""
+    if batch_groups == 1:
+        for h in range(hops):
+            rows = comm.all_to_all(rows, ("hop", h))
+        return rows
+    return torch.cat([comm.all_to_all(g, ("hop", 0)) for g in rows.chunk(batch_groups, dim=0)], dim=0)
+
+
 def step(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, comm, hops: int, k: int, eps: float,
-         hidden_actual: int, params: torch.Tensor | None = None, emit_logits: bool = True) -> TailOut:
+         hidden_actual: int, params: torch.Tensor | None = None, emit_logits: bool = True,
+         batch_groups: int = 1) -> TailOut:
     """One tail call of this vocab rank; ``hidden`` is the whole batch."""
     logits = lm_head(hidden, gamma, w_t, eps, hidden_actual)
-    rows = logits.to(torch.bfloat16)
-    for h in range(hops):
-        rows = comm.all_to_all(rows, ("hop", h))
+    rows = exchange(logits.to(torch.bfloat16), comm, hops, batch_groups)
     values, indices = stable_topk(rows.to(torch.float32), k)
     tokens = sample(values, indices, params) if params is not None else None
     return TailOut(tokens, values, indices, logits if emit_logits else None)

@@ -79,3 +79,66 @@ def owned_rows(rank: int, vtp: int, gbs: int, hops=None, batch_groups: int = 1) 
         raise ValueError(f"rows per rank {per_rank} must be a multiple of batch_groups {batch_groups}")
     group_rows, n = gbs // batch_groups, per_rank // batch_groups
     return [g * group_rows + rank * n + k for g in range(batch_groups) for k in range(n)]
+
+
+# -- the tail kernel's eligibility rules for a batch-grouped exchange ------------------------------
+# (gpt_oss_tail_chunked_megakernel and its chunked_topk: a top-k instruction reduces fewer than
+# 2^16 elements of a 16-partition snake, 8 rows to a 128-partition tile)
+_TOPK_N_MAX, _PARTS, _ROWS_PER_TILE, _PMAX = 1 << 16, 16, 8, 128
+
+
+def _snake(n: int) -> int:
+    return _PARTS * -(-n // _PARTS)
+
+
+def topk_chunks(rows: int, vocab: int, k: int) -> int:
+    """The vocab chunk count P the tail's chunked top-k picks: 1 when one top-k call holds the
+    vocabulary; else the smallest legal power of two, preferring whole tiles and 16-wide chunks."""
+    if _snake(vocab) < _TOPK_N_MAX:
+        return 1
+    best = None
+    p = 1
+    while p <= _PMAX:
+        w = vocab // p
+        legal = (vocab % p == 0 and w >= 8 and _snake(w) < _TOPK_N_MAX and k <= w
+                 and (p == 1 or 8 <= p * k <= _PMAX * _PMAX))
+        if legal:
+            rank = ((rows * p) % _ROWS_PER_TILE != 0, w % _PARTS != 0, p)
+            best = min(best or rank, rank)
+        p *= 2
+    if best is None:
+        raise ValueError(f"no legal top-k chunk count for vocab {vocab}, k {k}")
+    return best[2]
+
+
+def receive_fold_supported(rows: int, vocab: int, k: int, peer_width: int) -> bool:
+    """Whether the chunked top-k can read the all-to-all's receive layout in place (the kernel
+    exports this predicate; G > 1 requires it)."""
+    if peer_width <= 0:
+        return False
+    p = topk_chunks(rows, vocab, k)
+    if p == 1:
+        return False
+    w = vocab // p
+    if k % _PARTS or (rows * p) % _ROWS_PER_TILE or w % _PARTS:
+        return False
+    return vocab % peer_width == 0 and (-(-w // _PARTS)) % peer_width == 0 and w % peer_width == 0
+
+
+def batch_groups_refusal(gbs: int, vtp: int, hops, groups: int, vocab: int, k: int) -> str | None:
+    """Why the tail kernel would refuse ``a2a_batch_groups = groups`` at this geometry (None: it
+    would not): single hop, whole 128-row lm_head tiles per group, groups dividing each rank's
+    rows, and the receive-layout fold."""
+    if groups == 1:
+        return None
+    if len(tuple(hops or (vtp,))) != 1:
+        return "batch groups are defined for a single-hop exchange only"
+    if gbs % groups or (gbs // groups) % _PMAX:
+        return f"each batch group ({gbs} rows / {groups}) must be whole {_PMAX}-row lm_head tiles"
+    rows = gbs // vtp
+    if gbs % vtp or rows % groups:
+        return f"the groups must divide the {rows} rows each rank owns"
+    if not receive_fold_supported(rows, vocab, k, vocab // vtp):
+        return (f"the receive-layout fold is not supported for {rows} rows a rank, vocabulary {vocab}, "
+                f"k {k} and {vocab // vtp} columns a peer (a vocabulary that one top-k call holds gets no fold)")
+    return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import GkError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / f"manifest-v{SCHEMA_VERSION}.json"
 NAME = "manifest.json"
 
@@ -81,9 +81,10 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
                                 "tail_hop_meshes": plan.tail["hop_meshes"]}},
         "tools": tool_versions(),
         "files": sorted(files, key=lambda f: f["path"]),
-        "layout": {"kv": {"file": "layout/kv.json", "groups": plan.kv.groups, "num_blocks": plan.kv.num_blocks,
-                          "block_size": plan.kv.block_size, "dtype": plan.kv.dtype, "packed": plan.kv.packed,
-                          "buffer_shape": plan.kv.buffer_shape, "bytes_per_rank": plan.kv.bytes_per_rank},
+        "layout": {"kv": {"file": "layout/kv.json", "form": plan.kv.form, "entries": plan.kv.entries,
+                          "num_blocks": plan.kv.num_blocks, "block_size": plan.kv.block_size, "dtype": plan.kv.dtype,
+                          "packed": plan.kv.packed, "allocation_shape": plan.kv.allocation_shape,
+                          "allocations": plan.kv.allocations, "bytes_per_rank": plan.kv.bytes_per_rank},
                    "tail": {"file": "layout/tail.json", "vocab_per_rank": plan.dims.V_s, "hops": r.hops,
                             "k": r.tail.k}},
         "scalars": plan.scalars,

@@ -143,7 +143,10 @@ def layout_docs(plan: Plan) -> dict[str, dict]:
     tail["owned_rows"] = {str(b): {str(c.rank): owned_rows(c.vtp, t.vtp, b, plan.recipe.hops, t.a2a_batch_groups)
                                    for c in plan.ranks}
                           for b in plan.recipe.decode.batch_sizes}
-    return {"layout/kv.json": plan.kv.describe(), "layout/tail.json": tail}
+    kv = plan.kv.describe()
+    # disaggregated inference: the KV heads each rank's cache holds (its TP rank's heads)
+    kv["kv_heads_of_rank"] = {str(c.rank): plan.dims.kv_heads_of(c.tp) for c in plan.ranks}
+    return {"layout/kv.json": kv, "layout/tail.json": tail}
 
 
 class _Build:

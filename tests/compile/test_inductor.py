@@ -39,7 +39,7 @@ def test_artifacts_and_manifest_entries(built):
     dec = c["artifacts"][0]
     kinds = {i["name"]: i["kind"] for i in dec["inputs"]}
     assert kinds["x"] == "activation" and kinds["block_table_swa"] == "control"
-    assert kinds["W_qkv"] == "weight" and kinds["K_cache_0"] == "kv_buffer"
+    assert kinds["W_qkv"] == "weight" and kinds["K_cache"] == "kv_buffer"
     assert next(i for i in dec["inputs"] if i["name"] == "W_qkv")["file"] == "weights/attn-tp0.safetensors"
     assert dec["inputs"][0]["shape"] == ["batch", 1024] and "in-place" in dec["kv_update"]
     assert run_cli("check", str(out), "-q").returncode == 0

@@ -1,63 +1,138 @@
-"""The neuron backend without the Neuron SDK: what it would run, and its whole flow through a fake
-SDK and a fake neuronx-cc (the real ones install only on Trainium hosts)."""
+"""The neuron backend without the Neuron SDK: the per-rank signatures it compiles, what it would run,
+and its whole flow through a fake SDK, a fake neuronx-cc and stand-ins written from the published
+kernel sources (the real SDK installs only on Trainium hosts)."""
 
 import json
 import os
 import shlex
+import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
 from gkbuild import recipe
-from gkbuild.pipeline import manifest as mf
-from gkbuild.pipeline.pipeline import compile_build
-from gkbuild.compile import neuron, signature
+from gkbuild.compile import kernel_source, neuron, signature
 from gkbuild.errors import GkError
 from gkbuild.model import preset
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.plan import make_plan
-from tests.conftest import RECIPES, run_cli
+from tests.conftest import RECIPES, ROOT, run_cli
+
+HERE = Path(__file__).resolve().parent
+STANDINS, FAKE_SDK = HERE / "standins", HERE / "fake_sdk"
+PER_BUFFER = STANDINS / "per_buffer"
 
 
-def _plan(name="gpt-oss-120b-trn2", model="gpt-oss-120b"):
-    return make_plan(recipe.load(RECIPES / f"{name}.yaml"), preset(model))
+def _plan(name="gpt-oss-120b-trn2", model="gpt-oss-120b", sets=()):
+    return make_plan(recipe.load(RECIPES / f"{name}.yaml", list(sets)), preset(model))
 
 
-def test_invocation_and_flags():
+def _topo(*sets):
+    return _plan("tiny-topology-trn2", "tiny-topology", sets)
+
+
+def _shapes(sig):
+    return {i.name: (tuple(i.shape), i.dtype, i.kind) for i in sig.inputs}
+
+
+def test_per_rank_signatures_of_tiny_topology():
+    """TP8 x DP16 x EP128 at batch 128: each rank holds 1 token, a DP replica attends over 8."""
+    p = _topo()
+    dec = signature.neuron_decode(p, 128)
+    s = _shapes(dec)
+    d = p.dims
+    assert s["x_shard"] == ((1, d.Hp), "bfloat16", "activation")
+    assert s["active_blocks_table"] == ((8, 16), "int32", "control")
+    assert s["active_blocks_table_swa"][:2] == ((8, p.scalars["swa_table_blocks"]), "int32")
+    assert s["kv_cache_update_idx"] == ((8, 1), "uint32", "control") and "kv_cache_update_idx_swa" not in s
+    assert s["cos"] == ((16, 8, 1), "float32", "control") and s["sin"][0] == (16, 8, 1)
+    assert s["pos_ids"] == ((8, 1), "float32", "control") and s["pos_ids_swa"][0] == (8, 1)
+    assert s["swa_start_pos_ids"][0] == (2, 8, 1) and s["attention_mask"] == ((1, 8, 8, 1), "uint8", "control")
+    assert s["rank_id"] == ((1, 1), "uint32", "rank")
+    # packed FP8 K, stacked: one K and one V tensor with a layer a entry, trn2's non-OCP e4m3
+    assert s["K_cache"] == ((2, 80, 1, 2, 32, 2), "float8_e4m3", "kv_buffer")
+    assert s["V_cache"] == ((2, 80, 1, 4, 32), "float8_e4m3", "kv_buffer")
+    assert s["k_scale"] == ((1, 1), "float32", "constant") and dec.input("k_scale").value == 1.0
+    assert [o["name"] for o in dec.outputs] == ["x_shard", "K_cache", "V_cache"]
+    assert dec.outputs[1]["aliases"] == "K_cache"
+    assert dec.scalars["B_attn"] == 8 and dec.scalars["S_tkg"] == 1 and dec.scalars["num_layers"] == 2
+    # the public kernel's parameter order: x_shard, the attention weights, K/V, the MoE weights, control
+    names = dec.names()
+    assert names[:9] == ["x_shard", "input_layernorm_weight", "W_qkv", "bias_qkv", "W_out", "bias_out", "sink",
+                         "K_cache", "V_cache"]
+    assert names.index("expert_down_bias") < names.index("swa_start_pos_ids") < names.index("rank_id")
+    tl = signature.neuron_tail(p, 128)
+    t = _shapes(tl)
+    assert t["hidden_states"] == ((128, d.Hp), "bfloat16", "activation")
+    assert t["sampling_params"] == ((1, 3), "float32", "control")
+    assert t["lm_head_weight_t"][:2] == ((d.Hp, 16), "bfloat16") and t["gamma"][:2] == ((1, d.Hp), "float32")
+    assert [o["name"] for o in tl.outputs] == ["logits", "topk_values", "topk_indices", "tokens"]
+    assert tl.outputs[-1] == {"name": "tokens", "shape": [1, 1], "dtype": "uint32"}
+    assert _shapes(signature.neuron_tail(_topo("tail.runtime_draw=true"), 128))["sampling_params"][0] == (1, 4)
+    # trn3 takes OCP e4m3fn; bf16 KV has no scales
+    assert _shapes(signature.neuron_decode(_topo("target=trn3"), 128))["K_cache"][1] == "float8_e4m3fn"
+    bf = _shapes(signature.neuron_decode(_topo("kv_cache.dtype=bf16", "kv_cache.packed=false"), 128))
+    assert bf["K_cache"] == ((2, 80, 1, 4, 32), "bfloat16", "kv_buffer") and "k_scale" not in bf
+
+
+def test_per_buffer_signature():
+    s = _shapes(signature.neuron_decode(_topo("kv_cache.form=per_buffer"), 128))
+    assert s["K_cache_buf_0"] == ((80, 1, 2, 32, 2), "float8_e4m3", "kv_buffer") and "K_cache" not in s
+    assert s["V_cache_buf_0"][0] == (80, 1, 4, 32) and "K_cache_buf_1" not in s  # 2 layers: one buffer
+    assert s["kv_cache_update_idx_swa"] == ((8, 1), "uint32", "control")
+    big = _shapes(signature.neuron_decode(_plan(sets=["kv_cache.form=per_buffer"]), 128))
+    assert sum(n.startswith("K_cache_buf_") for n in big) == 18 and big["K_cache_buf_17"][0] == (14563, 1, 64, 64, 2)
+
+
+def test_120b_signature_and_scalars():
     p = _plan()
-    cmd = neuron.invocation("decode", p.recipe, p.recipe.output_dir())
-    assert cmd[:3] == ["neuronx-cc", "compile", "--framework=XLA"]
-    assert cmd[3].endswith(".gkbuild/neuron/decode.hlo.pb") and cmd[4] == "--output"
-    assert cmd[5].endswith("compiled/decode.neff")
-    for flag in ("--target=trn2", "--lnc=1", "--model-type=transformer", "--auto-cast=none", "-O2"):
-        assert flag in cmd
-    assert "--target=trn3" in neuron.invocation("tail", _plan("gpt-oss-120b-trn3").recipe, p.recipe.output_dir())
-
-
-def test_kernel_arguments_for_the_120b_plan():
-    p = _plan()
-    a = neuron.kernel_arguments(p, "decode")
+    dec = signature.neuron_decode(p, 128)
+    s = _shapes(dec)
+    assert s["x_shard"][0] == (1, 3072) and s["active_blocks_table"][0] == (8, 80)
+    assert s["K_cache"][0] == (36, 14563, 1, 64, 64, 2) and s["cos"][0] == (32, 8, 1)
+    a = dec.scalars
     assert a["tp_replica_group"][15] == tuple(range(120, 128)) and a["ep_replica_group"] == (tuple(range(128)),)
     assert (a["num_layers"], a["tp_size"], a["ep_size"], a["B_attn"], a["S_tkg"], a["top_k"]) == (36, 8, 128, 8, 1, 4)
     assert a["hidden_actual"] == 2880 and a["up_clamp_upper_limit"] == 8.0 and a["up_clamp_lower_limit"] == -6.0
-    t = neuron.kernel_arguments(p, "tail")
-    assert t["k"] == 256 and t["zero_interleaved_pad"] and len(t["hop_meshes"]) == 2
-    names = neuron.tensor_names(signature.decode(p))
-    assert names["x"] == "x_shard" and names["block_table_swa"] == "active_blocks_table_swa"
-    assert names["K_cache_17"] == "K_cache_buf_17" and names["W_qkv"] == "W_qkv"
-    sig = signature.decode(p)
-    assert [i.shape for i in sig.inputs if i.name == "K_cache_0"] == [(36175, 1, 64, 64, 2)]
-    assert {i.file for i in sig.inputs if i.kind == "weight"} == {"weights/shared.safetensors",
+    t = signature.neuron_tail(p, 128).scalars
+    assert t["k"] == 256 and t["zero_interleaved_pad"] and len(t["hop_meshes"]) == 2 and not t["emit_logits"]
+    assert {i.file for i in dec.inputs if i.kind == "weight"} == {"weights/shared.safetensors",
                                                                  "weights/attn-tp0.safetensors",
                                                                  "weights/expert-000.safetensors"}
 
 
-def test_show_compile():
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--show-compile")
+def test_invocation_and_flags():
+    p = _plan()
+    sig = signature.neuron_decode(p, 128)
+    cmd = neuron.invocation(sig, p.recipe, p.recipe.output_dir())
+    assert cmd[:3] == ["neuronx-cc", "compile", "--framework=XLA"]
+    assert cmd[3].endswith(".gkbuild/neuron/decode-b128.hlo.pb") and cmd[4] == "--output"
+    assert cmd[5].endswith("compiled/decode-b128.neff")
+    for flag in ("--target=trn2", "--lnc=1", "--model-type=transformer", "--auto-cast=none", "-O2"):
+        assert flag in cmd
+    p3 = _plan("gpt-oss-120b-trn3")
+    assert "--target=trn3" in neuron.invocation(signature.neuron_tail(p3, 128), p3.recipe, Path("x"))
+
+
+def test_trace_environment_holds_exactly_the_recipes_switches():
+    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml")
+    env = neuron.trace_environment(r, {"PATH": "/bin", "VLLM_NEURON_MEGA_SBUF_INTERLAYER": "1",
+                                       "VLLM_NEURON_MEGA_KV_UPDATE": ""})
+    assert env["VLLM_NEURON_MEGA_KV_UPDATE"] == "1" and "VLLM_NEURON_MEGA_SBUF_INTERLAYER" not in env
+    assert env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2" and env["PJRT_DEVICE"] == "CPU"
+    dev = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["compile.trace=device"])
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in neuron.trace_environment(dev, {"PATH": "/bin"})
+
+
+def test_show_compile_prints_every_program_of_every_batch_size():
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--show-compile", "--set",
+                "decode.batch_sizes=[128, 256]")
     lines = [line for line in r.stdout.splitlines() if line.startswith("neuronx-cc compile")]
-    assert r.returncode == 0 and len(lines) == 2
-    assert "--lnc=1" in lines[0] and "decode.neff" in lines[0] and "tail.neff" in lines[1]
-    assert shlex.split(lines[0])[0] == "neuronx-cc"
+    assert r.returncode == 0 and len(lines) == 4, r.stderr
+    assert ["decode-b128.neff" in lines[0], "tail-b128.neff" in lines[1], "decode-b256.neff" in lines[2]] == [True] * 3
+    assert "--lnc=1" in lines[0] and shlex.split(lines[0])[0] == "neuronx-cc"
     r = run_cli("plan", str(RECIPES / "tiny-cpu.yaml"), "--show-compile", "--json")
     assert "aoti_compile_and_package" in json.loads(r.stdout)["compile"][0]
 
@@ -65,17 +140,23 @@ def test_show_compile():
 def test_without_the_sdk_a_trn_build_is_complete_but_for_the_neffs(tmp_path):
     assert neuron.sdk() is not None  # the Neuron SDK cannot be installed on these machines
     out = tmp_path / "b"
-    r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out), "-q")
+    r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out), "-q", "--set",
+                "decode.batch_sizes=[128, 256]")
     assert r.returncode == 0, r.stderr
     assert "warning:" in r.stderr and "Neuron SDK not installed" in r.stderr  # said out loud, even with -q
     m = mf.load(out)  # validates against the schema
     c = m["compile"]
     assert c["status"].startswith("skipped: Neuron SDK not installed") and c["backend"] == "neuron"
-    assert [a["name"] for a in c["artifacts"]] == ["decode", "tail"]
+    assert [(a["name"], a["program"], a["batch_size"]) for a in c["artifacts"]] == [
+        ("decode-b128", "decode", 128), ("tail-b128", "tail", 128), ("decode-b256", "decode", 256),
+        ("tail-b256", "tail", 256)]
     for a in c["artifacts"]:
         assert a["format"] == "neff" and a["path"] is None and a["status"].startswith("skipped")
         assert "--lnc=1" in a["flags"] and a["compiler"]["name"] == "neuronx-cc"
-        assert {i["kind"] for i in a["inputs"]} >= {"weight", "control"}
+        assert a["kernel"]["switches"] == {"VLLM_NEURON_MEGA_KV_UPDATE": "1"} and a["kernel"]["trace"] == "host"
+        assert a["kernel"]["revision"] == "e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
+    d256 = {i["name"]: i for i in c["artifacts"][2]["inputs"]}
+    assert d256["x_shard"]["shape"] == [2, 512] and d256["kv_cache_update_idx"]["shape"] == [16, 1]
     assert run_cli("check", str(out), "-q").returncode == 0
 
 
@@ -87,10 +168,50 @@ def test_require_neff_fails(tmp_path):
     assert not (tmp_path / "b" / "manifest.json").exists()
 
 
+def test_kernel_source_forms(tmp_path):
+    src = kernel_source.parse("aws-neuron/nki-library@" + "a" * 40)
+    assert (src.kind, src.url, src.commit) == ("git", "https://github.com/aws-neuron/nki-library.git", "a" * 40)
+    assert kernel_source.parse("git+https://example.com/x.git@" + "b" * 40).url == "https://example.com/x.git"
+    assert kernel_source.parse("lib", base=tmp_path).path == tmp_path / "lib"
+    for bad, msg in (("aws-neuron/nki-library@main", "full 40-hex commit"),
+                     ("https://example.com/x.git", "neither an existing folder"),
+                     ("owner/missing-folder", "neither an existing folder")):
+        with pytest.raises(GkError, match=msg):
+            kernel_source.parse(bad, base=tmp_path)
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "pkg" / "k.py").write_text("x = 1\n")
+    before = kernel_source.revision(kernel_source.parse(str(lib)))
+    (lib / "pkg" / "k.py").write_text("x = 2\n")
+    assert kernel_source.revision(kernel_source.parse(str(lib))) != before  # a changed kernel recompiles
+
+
+def test_git_kernel_source_is_cloned_at_its_commit(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "mod.py").write_text("v = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    first = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (repo / "src" / "mod.py").write_text("v = 2\n")
+    subprocess.run(git + ["commit", "-qam", "two"], check=True)
+    src = kernel_source.parse(f"file://{repo}@{first}")
+    root = kernel_source.checkout(src, tmp_path / "cache")
+    assert (root / "src" / "mod.py").read_text() == "v = 1\n"  # the pinned commit, not the branch head
+    assert kernel_source.import_roots(root) == [str(root / "src")]
+    assert kernel_source.checkout(src, tmp_path / "cache") == root  # once
+    with pytest.raises(GkError, match="git checkout failed"):
+        kernel_source.checkout(kernel_source.parse(f"file://{repo}@{'c' * 40}"), tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.name.endswith(".partial")]
+
+
+# -- the whole flow through the fake SDK and the stand-ins ------------------------------------------
 FAKE_CC = '''#!{python}
 """A stand-in neuronx-cc: records its argv, writes a NEFF of the documented layout."""
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r})
 from tests.compile.neff_files import make
 argv = sys.argv[1:]
 out = argv[argv.index("--output") + 1]
@@ -100,80 +221,91 @@ with open({log!r}, "a") as f:
 '''
 
 
-def _fake_sdk(root, decode_params, tail_params, calls_log):
-    """Importable stand-ins for torch_neuronx, torch_xla, neuronxcc, nki and the two kernels."""
-    def write(rel, text):
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(text))
-
-    write("torch_neuronx/__init__.py", "")
-    write("neuronxcc/__init__.py", "")
-    write("nki/__init__.py", "")
-    write("nki/collectives.py", "class ReplicaGroup:\n    def __init__(self, groups):\n        self.groups = groups\n")
-    write("torch_xla/__init__.py", "class _XLAC:\n    @staticmethod\n    def _get_xla_tensors_hlo_proto(t):\n"
-                                   "        return b'HloModuleProto:' + str(len(t)).encode()\n")
-    write("torch_xla/core/__init__.py", "")
-    write("torch_xla/core/xla_model.py", "def xla_device():\n    return 'cpu'\n")
-    for mod, fn, params in (
-            ("nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py",
-             "gpt_oss_decode_mega_kernel", decode_params),
-            ("nkilib/experimental/gpt_oss_tail.py", "gpt_oss_tail_chunked_megakernel", tail_params)):
-        args = ", ".join(f"{p}=None" for p in params)
-        write(mod, f"""
-            import json, torch
-            def {fn}({args}):
-                a = dict(locals())
-                with open({str(calls_log)!r}, "a") as f:
-                    f.write(json.dumps({{"kernel": "{fn}", "args": sorted(k for k, v in a.items() if v is not None)}}) + "\\n")
-                return torch.zeros(1)
-            """)
-    for pkg in ("nkilib_src", "nkilib_src/nkilib", "nkilib_src/nkilib/models", "nkilib_src/nkilib/models/gpt_oss",
-                "nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel",
-                "nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental",
-                "nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss", "nkilib",
-                "nkilib/experimental"):
-        (root / pkg / "__init__.py").touch()
-
-
-def test_the_whole_neuron_flow_through_a_fake_sdk(tmp_path, monkeypatch):
-    p = make_plan(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), preset("tiny-topology"))
-    dec, tl = signature.decode(p), signature.tail(p)
-    decode_params = sorted(set(neuron.tensor_names(dec).values()) | set(neuron.kernel_arguments(p, "decode"))
-                           | {"rank_id"})
-    tail_params = sorted(set(neuron.tensor_names(tl).values()) | set(neuron.kernel_arguments(p, "tail")))
-    sdk = tmp_path / "sdk"
-    calls = tmp_path / "kernel_calls.jsonl"
-    _fake_sdk(sdk, decode_params, tail_params, calls)
+@pytest.fixture
+def fake_sdk(tmp_path, monkeypatch):
+    """The fake SDK importable here and in the trace process, and a fake neuronx-cc on PATH."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    cc_log = tmp_path / "cc_argv.jsonl"
+    logs = {"cc": tmp_path / "cc_argv.jsonl", "sdk": tmp_path / "sdk.log"}
     cc = bindir / "neuronx-cc"
-    cc.write_text(FAKE_CC.format(python=sys.executable, tests=str(os.path.dirname(os.path.dirname(
-        os.path.dirname(__file__)))), log=str(cc_log)))
+    cc.write_text(FAKE_CC.format(python=sys.executable, root=str(ROOT), log=str(logs["cc"])))
     cc.chmod(0o755)
-    monkeypatch.syspath_prepend(str(sdk))
+    monkeypatch.syspath_prepend(str(FAKE_SDK))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SDK), str(STANDINS)]))
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("GK_FAKE_SDK_LOG", str(logs["sdk"]))
+    monkeypatch.setenv("VLLM_NEURON_MEGA_SBUF_INTERLAYER", "1")  # a stray switch the build must not pass on
     assert neuron.sdk() is None
+    return logs
+
+
+def _build(out, library, *sets):
+    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", [f"compile.nki_library={library}", *sets])
+    return compile_build(r, out=out, quiet=True, require_neff=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_conformance_with_the_published_kernels_in_both_kv_forms(fake_sdk, tmp_path, target):
     out = tmp_path / "b"
-    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=out, quiet=True, require_neff=True)
-    c = res.manifest["compile"]
-    assert c["status"] == "ok" and [s.status for s in res.stages if s.name == "compile"] == ["ran"]
-    for a in c["artifacts"]:
-        assert a["path"] == f"compiled/{a['name']}.neff" and a["format"] == "neff" and a["status"] == "ok"
-        assert a["neff"]["lnc_size"] == 1 and a["neff"]["name"] == f"{a['name']}.neff"
-        assert (out / a["path"]).stat().st_size == a["size"]
-    kernels = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [k["kernel"] for k in kernels] == ["gpt_oss_decode_mega_kernel", "gpt_oss_tail_chunked_megakernel"]
-    assert kernels[0]["args"] == decode_params  # every argument, each by the kernel's name
-    argv = [json.loads(line) for line in cc_log.read_text().splitlines()]
-    assert [a[:2] for a in argv] == [["compile", "--framework=XLA"]] * 2 and "--lnc=1" in argv[0]
-    assert (out / ".gkbuild" / "neuron" / "decode.hlo.pb").read_bytes().startswith(b"HloModuleProto")
-    assert run_cli("check", str(out), "-q").returncode == 0
-    mf.load(out)
-    # a kernel that does not take the per-buffer KV arguments is named, not silently mis-called
-    _fake_sdk(sdk, [n for n in decode_params if not n.startswith("K_cache_buf")], tail_params, calls)
-    for m in [m for m in sys.modules if m.startswith(("nkilib", "nkilib_src"))]:
-        del sys.modules[m]
-    with pytest.raises(GkError, match=r"does not take \['K_cache_buf_0'"):
-        compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=tmp_path / "c", quiet=True)
+    for form, library in (("stacked", STANDINS), ("per_buffer", PER_BUFFER)):
+        res = _build(out, library, f"target={target}", f"kv_cache.form={form}")
+        c = res.manifest["compile"]
+        assert c["status"] == "ok" and [a["name"] for a in c["artifacts"]] == ["decode-b128", "tail-b128"]
+        for a in c["artifacts"]:
+            assert a["path"] == f"compiled/{a['name']}.neff" and a["neff"]["lnc_size"] == 1
+            assert (out / a["path"]).stat().st_size == a["size"]
+        # what each traced kernel returned (the fake HLO lists the outputs): the decode step hands
+        # back x and the K/V it wrote (KV write-back was on while tracing); the tail, its 4 outputs
+        dec = json.loads((out / ".gkbuild/neuron/decode-b128.hlo.pb").read_text())
+        assert dec[0] == [[1, 512], "torch.bfloat16"] and len(dec) == 3
+        want_kv = "torch.float8_e4m3fn"  # trn2's e4m3 is carried by the fake SDK's alias (see its README)
+        assert dec[1][1] == want_kv and dec[1][0] == ([2, 80, 1, 2, 32, 2] if form == "stacked" else [80, 1, 2, 32, 2])
+        tl = json.loads((out / ".gkbuild/neuron/tail-b128.hlo.pb").read_text())
+        assert tl == [[[128, 16], "torch.float32"], [[1, 256], "torch.bfloat16"], [[1, 256], "torch.uint32"],
+                      [[1, 1], "torch.uint32"]]
+        assert run_cli("check", str(out), "-q").returncode == 0
+    # every trace ran in the host compile mode, with exactly the recipe's switches
+    lines = fake_sdk["sdk"].read_text().splitlines()
+    assert len(lines) == 4 and set(lines) == {f"device target={target} pjrt=CPU kv_update=1"}
+    argv = [json.loads(line) for line in fake_sdk["cc"].read_text().splitlines()]
+    assert [a[:2] for a in argv] == [["compile", "--framework=XLA"]] * 4 and f"--target={target}" in argv[0]
+
+
+_DECODE = signature.neuron_decode
+
+
+def _refusal(tmp_path, monkeypatch, library, change, *sets):
+    """Compile with one input of the decode signature changed; the one-line error."""
+
+    def changed(plan, batch):
+        s = _DECODE(plan, batch)
+        return signature.Signature(s.program, tuple(change(list(s.inputs))), s.outputs, s.batch, s.scalars)
+
+    monkeypatch.setattr(signature, "neuron_decode", changed)
+    with pytest.raises(GkError) as e:
+        _build(tmp_path / "b", library, *sets)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _replace(name, **kw):
+    def change(inputs):
+        return [signature.Input(**{**i.__dict__, **kw}) if i.name == name else i for i in inputs]
+    return change
+
+
+@pytest.mark.slow
+def test_every_kind_of_mismatch_is_refused_in_one_line(fake_sdk, tmp_path, monkeypatch):
+    msg = _refusal(tmp_path, monkeypatch, STANDINS, _replace("cos", shape=(16, 128, 1)))
+    assert msg.startswith("decode-b128: the decode kernel refused its arguments") and "cos shape mismatch" in msg
+    msg = _refusal(tmp_path, monkeypatch, STANDINS, lambda ins: [i for i in ins if i.name != "rank_id"])
+    assert "signature does not match" in msg and "missing ['rank_id']" in msg
+    msg = _refusal(tmp_path, monkeypatch, STANDINS, _replace("kv_cache_update_idx", dtype="int64"))
+    assert "kv_cache_update_idx must be uint32" in msg
+    msg = _refusal(tmp_path, monkeypatch, STANDINS, lambda ins: ins + [signature.Input("K_cache_buf_0", (1,), "uint8",
+                                                                                        "kv_buffer")])
+    assert "does not take ['K_cache_buf_0']" in msg  # the public kernel has no per-buffer form
+    both = lambda ins: ins + [signature.Input("K_cache", (2, 80, 1, 2, 32, 2), "float8_e4m3", "kv_buffer")]  # noqa: E731
+    msg = _refusal(tmp_path, monkeypatch, PER_BUFFER, both, "kv_cache.form=per_buffer")
+    assert "exactly one KV form" in msg

@@ -129,7 +129,7 @@ def test_shards_open_with_the_official_reader(topo):
 def test_manifest(topo):
     r, out, res = topo
     m = mf.load(out)  # validates against the shipped schema
-    assert m["schema_version"] == 1 and m["target"] == "trn2" and m["topology"]["world_size"] == 128
+    assert m["schema_version"] == 2 and m["target"] == "trn2" and m["topology"]["world_size"] == 128
     assert m["build_id"] == mf.build_id(m)
     assert m["recipe"]["digest"] == r.digest()
     assert m["source"]["kind"] == "synth" and len(m["source"]["files"]) >= 3
@@ -145,7 +145,9 @@ def test_manifest(topo):
     assert m["compile"]["status"].startswith("skipped") and m["compile"]["artifacts"] == []
     assert m["tools"]["gkbuild"] and m["tools"]["python"] and m["tools"]["torch"]
     kv = json.loads((out / "layout/kv.json").read_text())
-    assert kv["groups"] == 1 and kv["k_packed_shape"] == [80, 1, 2, 32, 2] and len(kv["di_regions"]) == 2
+    assert kv["form"] == "stacked" and kv["entries"] == 2 and kv["k_shape"] == [2, 80, 1, 2, 32, 2]
+    assert len(kv["di_regions"]) == 4 and kv["di_regions"][2] == {"entry": 1, "half": "K", "tensor": "K", "offset": 80 * 4 * 32, "block_len": 4 * 32, "count": 80, "layers": [1]}
+    assert kv["update_indices"] == ["full"] and kv["kv_heads_of_rank"]["9"] == [1] and "N-1" in kv["swa_di_truncation"]
     t = json.loads((out / "layout/tail.json").read_text())
     assert t["owned_rows"]["128"]["9"] == [17]  # hop digits (9 % 8, 9 // 8) = (1, 1): row 1*16 + 1*1
     # a manifest the schema rejects is refused

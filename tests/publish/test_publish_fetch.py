@@ -178,7 +178,7 @@ def _bomb(store: Path) -> None:
 
 def _schema(store: Path) -> None:
     idx, m = read_store(store)
-    m["schema_version"] = 2
+    m["schema_version"] = 99
     rewrite(store, idx, m)
 
 
@@ -209,7 +209,7 @@ REFUSALS = {
     "state folder": (_escape(".gkbuild/state.json"), "would escape"),
     "unlisted file": (_unlisted, "weights/extra.safetensors is not listed in the manifest"),
     "zstd bomb": (_bomb, "decodes to more than"),
-    "unknown schema": (_schema, "schema_version 2 is not supported"),
+    "unknown schema": (_schema, "schema_version 99 is not supported"),
     "unknown index version": (_index_version, "publish index version 99 is not supported"),
     "manifest edited after build": (_edited_manifest, "build_id .* is not the hash"),
     "symlinked blob": (_symlinked_blob, "symlink"),

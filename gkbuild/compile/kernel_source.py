@@ -1,0 +1,125 @@
+"""Where the Neuron kernels' code comes from: ``compile.nki_library``.
+
+Three forms:
+
+- ``OWNER/REPO@COMMIT``: a GitHub repository at a commit (the default pins aws-neuron/nki-library);
+- ``URL@COMMIT`` (``https://``, ``ssh://``, ``git@host:``, ``file://``, or ``git+`` before any of
+  them): any git repository at a commit;
+- a local folder (relative to the recipe), e.g. a checkout with a fork's per-buffer kernel.
+
+A git source is cloned once into ``$GKBUILD_CACHE/kernels/`` and checked out at the commit,
+which must be a full 40-hex sha (a branch name would make builds unreproducible). The revision a
+build records is that sha, or for a folder the sha256 of its ``*.py`` files, so a changed kernel
+always changes the compile key. Import roots: ``src/`` and ``src/nkilib_src/`` where they exist
+(nki-library's layout: ``nkilib_src.nkilib...`` and ``nkilib...``), else the folder itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import GkError
+
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_GITHUB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_URL = re.compile(r"^(git\+)?(https://|ssh://|file://|git@[^:]+:)")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    spec: str  # what the recipe wrote
+    kind: str  # git | path
+    url: str | None
+    commit: str | None
+    path: Path | None  # a local folder (kind path)
+
+    def describe(self) -> dict:
+        return {"spec": self.spec, "kind": self.kind, "url": self.url, "commit": self.commit}
+
+
+def parse(spec: str, base: Path | None = None) -> KernelSource:
+    """Parse ``compile.nki_library`` (no I/O)."""
+    where = "compile.nki_library"
+    head, sep, commit = spec.rpartition("@")
+    if sep and (_GITHUB.match(head) or _URL.match(head)):
+        if not _SHA.match(commit):
+            raise GkError(f"{where}: {spec!r}: pin a full 40-hex commit sha after '@' (got {commit!r}); a branch or "
+                          f"tag can move")
+        url = f"https://github.com/{head}.git" if _GITHUB.match(head) else head.removeprefix("git+")
+        return KernelSource(spec, "git", url, commit, None)
+    if _URL.match(spec) or (_GITHUB.match(spec) and not Path(spec).exists()):
+        raise GkError(f"{where}: {spec!r}: neither an existing folder nor a repository pinned as "
+                      f"OWNER/REPO@COMMIT or URL@COMMIT (a full 40-hex sha)")
+    p = Path(spec).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    return KernelSource(spec, "path", None, None, p)
+
+
+def revision(src: KernelSource) -> str | None:
+    """The code's identity: the commit, or the sha256 of a folder's ``*.py`` files (None when
+    the folder is not there)."""
+    if src.kind == "git":
+        return src.commit
+    if not src.path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(src.path.rglob("*.py")):
+        if ".git" in f.parts or not f.is_file():
+            continue
+        h.update(f.relative_to(src.path).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def checkout(src: KernelSource, cache: Path) -> Path:
+    """The source's folder on this machine: a git source is cloned (once) and checked out at its
+    commit; written beside its final name and renamed, so a killed clone never looks complete."""
+    if src.kind == "path":
+        if not src.path.is_dir():
+            raise GkError(f"compile.nki_library: {src.path}: no such folder")
+        return src.path
+    name = f"{hashlib.sha256(src.url.encode()).hexdigest()[:16]}-{src.commit}"
+    final = Path(cache) / "kernels" / name
+    if (final / ".gkbuild-complete").exists():
+        return final
+    tmp = final.with_name(f".{name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _git("clone", "--quiet", "--no-checkout", src.url, str(tmp))
+        _git("-C", str(tmp), "checkout", "--quiet", "--detach", src.commit)
+        head = _git("-C", str(tmp), "rev-parse", "HEAD").strip()
+        if head != src.commit:
+            raise GkError(f"compile.nki_library: {src.url} checked out {head}, not {src.commit}")
+        (tmp / ".gkbuild-complete").write_text(src.commit + "\n")
+        if final.exists():  # a concurrent build finished first; keep its copy
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def import_roots(root: Path) -> list[str]:
+    roots = [root / "src", root / "src" / "nkilib_src"]
+    found = [str(r) for r in roots if r.is_dir()]
+    return found or [str(root)]
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=600)
+    except FileNotFoundError:
+        raise GkError("compile.nki_library: git is not installed (needed to fetch the kernels)") from None
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise GkError(f"compile.nki_library: git {args[0] if args[0] != '-C' else args[2]} failed: {last[0]}")
+    return done.stdout
