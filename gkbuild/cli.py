@@ -280,8 +280,9 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed)
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
 @click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
 @click.option("--prompts", "n_prompts", type=int, default=None, help="Sequences (no --golden; default min(4, batch)).")
-@click.option("--engine", type=click.Choice(["twin", "compiled"]), default="twin", show_default=True,
-              help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda).")
+@click.option("--engine", type=click.Choice(["twin", "compiled", "neuron"]), default="twin", show_default=True,
+              help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda); "
+                   "neuron: the build's NEFFs on this Trainium host's NeuronCores, every rank (needs the Neuron SDK).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(build_dir, golden_file, steps, n_prompts, engine, as_json):
     """Run BUILD's decode steps through the torch twins (every rank emulated, each seeing only its

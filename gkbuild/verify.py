@@ -125,7 +125,8 @@ def attribute(ours: list[list[list[torch.Tensor]]], ref: torch.Tensor, until: in
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         engine: str = "twin") -> Report:
     """Verify a build against a golden (computed from the build's source when none is given),
-    running it through the torch twins or (``engine="compiled"``) its compiled programs."""
+    running it through the torch twins, (``engine="compiled"``) its compiled .pt2 programs, or
+    (``engine="neuron"``, on a Trainium host) its NEFFs on the NeuronCores."""
     from .golden import Golden, checkpoint_hash, default_prompts, for_checkpoint
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
@@ -134,6 +135,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     build = Build.open(build_dir)
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
+    if engine == "neuron":
+        from .compile import neuron_run
+
+        neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     if golden is None:
         from .checkpoint.source import materialize, parse
 
@@ -150,8 +155,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if T > 0 and g.logits.shape[-1] != m["model"]["vocab_size"]:
         raise GkError("the golden's vocabulary does not match the build's model")
     rows = torch.arange(batch) % P  # every row of the batch runs one of the golden's sequences
-    session = Session(build, batch, max_len=T, engine=engine)
     kv = "fp8" if m["layout"]["kv"]["dtype"].startswith("fp8") else "bf16"
+    if engine == "neuron":
+        return _on_neuron(build, g, batch, rows, kv)
+    session = Session(build, batch, max_len=T, engine=engine)
     ours = torch.empty(P, T, g.logits.shape[-1])
     hid = [[None] * T for _ in range(P)]
     forced = 0
@@ -169,6 +176,27 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if rep.first_failure:
         rep.first_bad_layer, rep.layer_errors = attribute(hid, g.hidden, rep.first_failure[1], kv)
     return rep
+
+
+def _on_neuron(build, g, batch: int, rows, kv: str) -> Report:
+    """The Neuron programs on this host's NeuronCores (``compile.neuron_run``): logits only, so the
+    report has no per-layer attribution; every replica of a sequence must agree (keep the worst)."""
+    import tempfile
+    from pathlib import Path
+
+    from .compile import neuron_run
+
+    with tempfile.TemporaryDirectory(prefix="gkbuild-neuron-") as tmp:
+        golden_path = Path(tmp) / "golden.safetensors"
+        g.save(golden_path)
+        logits = neuron_run.run(build, golden_path, batch, Path(tmp) / "out")  # [batch, T, V]
+    P, T = g.token_ids.shape
+    ours = torch.empty(P, T, g.logits.shape[-1])
+    for p in range(P):
+        mine = logits[rows == p]
+        worst = (mine - g.logits[p]).abs().amax(dim=(1, 2)).argmax()
+        ours[p] = mine[worst]
+    return compare(ours, g.logits, kv)
 
 
 def _worse(candidate: torch.Tensor, current: torch.Tensor, ref: torch.Tensor) -> bool:

@@ -124,3 +124,24 @@ def test_recipe_doc_lists_every_key():
     assert "kv_cache.num_blocks" in keys and "topology.hops" in keys and "tail.k" in keys
     r = run_cli("recipe-doc")
     assert r.returncode == 0 and "kv_cache.packed" in r.stdout
+
+
+def test_batch_groups_follow_the_tail_kernels_rules():
+    """G > 1 needs a single hop, whole 128-row lm_head tiles a group, and the receive-layout fold,
+    which a vocabulary small enough for one top-k call (tiny-topology's 2,048) does not get."""
+    from gkbuild.model import preset
+    from gkbuild.plan import make_plan
+
+    topo = RECIPES / "tiny-topology-trn2.yaml"
+    one_hop = ["topology.hops=[128]", "topology.a2a_batch_groups=2", "decode.batch_sizes=[256]"]
+    with pytest.raises(GkError, match=r"a2a_batch_groups: 2 is refused by the tail kernel at batch 256: the "
+                                      r"receive-layout fold is not supported .* vocabulary 2048"):
+        make_plan(recipe.load(topo, one_hop), preset("tiny-topology"))
+    with pytest.raises(GkError, match="single-hop exchange only"):
+        make_plan(recipe.load(topo, ["topology.a2a_batch_groups=2", "decode.batch_sizes=[256]"]),
+                  preset("tiny-topology"))
+    big = RECIPES / "gpt-oss-120b-trn2.yaml"
+    with pytest.raises(GkError, match="whole 128-row lm_head tiles"):
+        make_plan(recipe.load(big, one_hop[:2] + ["decode.batch_sizes=[128]"]), preset("gpt-oss-120b"))
+    p = make_plan(recipe.load(big, one_hop), preset("gpt-oss-120b"))  # the production geometry is accepted
+    assert p.tail["a2a_batch_groups"] == 2

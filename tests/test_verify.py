@@ -38,8 +38,10 @@ def test_tiny_builds_pass(tmp_path, tiny_golden, sets):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sets", [["kv_cache.dtype=bf16", "kv_cache.packed=false"], []], ids=["bf16-kv", "packed-fp8-kv"])
+@pytest.mark.parametrize("sets", [["kv_cache.dtype=bf16", "kv_cache.packed=false"], [], ["kv_cache.form=per_buffer"]],
+                         ids=["bf16-kv", "packed-fp8-kv", "per-buffer-packed-fp8-kv"])
 def test_tiny_topology_passes_emulated_over_128_ranks(tmp_path, sets):
+    """In either KV form (stacked, the default, or per-buffer)."""
     out = _build(tmp_path, "topo", sets, "tiny-topology-trn2.yaml")
     rep = verify.run(out, steps=16)
     assert rep.ok, rep.to_dict()

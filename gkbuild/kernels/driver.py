@@ -68,59 +68,35 @@ class _Blocks:
                 self.free.append(freed)
 
 
-class Session:
-    """Decode steps of one build over a batch of sequences: through the torch twins (any topology,
-    emulated), or (``engine="compiled"``) through the build's compiled programs (world size 1)."""
+class Controls:
+    """What a runtime builds for each decode step, per DP replica: the block tables from each
+    replica's pool, positions in both frames, the update slots and YaRN cos/sin (the twins' form;
+    ``kernel_inputs`` turns it into the kernel's). One step of positions at a time, every row at the
+    same position."""
 
-    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin"):
-        m = build.manifest
-        t = m["topology"]
-        self.m, self.batch = m, batch
-        self.world, self.tp, self.dp, self.vtp = t["world_size"], t["tp"], t["dp"], t["vtp"]
-        if batch % self.world:
-            raise GkError(f"batch {batch} is not a multiple of the {self.world} ranks")
-        self.rows_attn = batch // self.dp
-        self.t_shard = batch // self.world
-        cfg = m["model"]
+    def __init__(self, m: dict, kv, batch: int, max_len: int):
+        t, cfg = m["topology"], m["model"]
+        self.dp, self.rows = t["dp"], batch // t["dp"]
         self.L, self.d, self.window = cfg["num_hidden_layers"], cfg["head_dim"], cfg["sliding_window"]
-        self.V, self.H = cfg["vocab_size"], cfg["hidden_size"]
         self.rope = m["scalars"]["rope"]
-        kv = build.kv_layout()
         self.block = kv.block_size
-        self.nbf = m["scalars"]["full_table_blocks"]
-        self.num_swa = m["scalars"]["swa_table_blocks"]
+        self.nbf, self.num_swa = m["scalars"]["full_table_blocks"], m["scalars"]["swa_table_blocks"]
         if max_len > self.nbf * self.block:
             raise GkError(f"{max_len} positions exceed the build's decode.max_context of {self.nbf * self.block}")
-        hp = m["scalars"]["hidden_padded"]
-        self.tensors = [build.load_rank(r) for r in range(self.world)]
-        self.memo: list[dict] = [{} for _ in range(self.world)]  # dequantized experts, per rank
-        self.kv = [build.allocate_kv() for _ in range(self.world)]
-        self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
-        self.blocks = [_Blocks(self.rows_attn, kv.num_blocks, self.block, self.window, kv.form)
-                       for _ in range(self.dp)]
+        self.blocks = [_Blocks(self.rows, kv.num_blocks, self.block, self.window, kv.form) for _ in range(self.dp)]
         self.pos = 0
-        self.hops = len(t["hops"])
-        meshes = t["meshes"]
-        if self.world == 1:
-            self.emulator = None
-        else:
-            groups = {"tp": meshes["tp_replica_group"], "ep": meshes["ep_replica_group"]}
-            groups.update({("hop", i): mesh for i, mesh in enumerate(meshes["tail_hop_meshes"])})
-            self.emulator = Emulator(groups)
-        self.groups = t["a2a_batch_groups"]
-        self.owned = [owned_rows(r % self.vtp, self.vtp, batch, t["hops"], self.groups)
-                      for r in range(self.world)]
-        self.k = m["layout"]["tail"]["k"]
-        self.to_hf = torch.from_numpy(hidden_layout.sigma(hp))
-        self.engine = engine
-        if engine == "compiled":
-            if self.world != 1:
-                raise GkError("the compiled engine runs world-size-1 builds; verify a multi-rank build with the twins")
-            self.programs = {a["name"]: (build.program(a["name"]), a["inputs"]) for a in m["compile"]["artifacts"]}
+
+    def next(self) -> list[decode.Control]:
+        """Every replica's control for the next position."""
+        if self.pos >= self.nbf * self.block:
+            raise GkError(f"position {self.pos} is past the build's decode.max_context of {self.nbf * self.block}")
+        out = [self._control(rep) for rep in range(self.dp)]
+        self.pos += 1
+        return out
 
     def _control(self, replica: int) -> decode.Control:
         blocks, bs, pos = self.blocks[replica], self.block, self.pos
-        rows = self.rows_attn
+        rows = self.rows
         for r in range(rows):
             blocks.advance(r, pos)
         first_visible = max(0, pos - self.window + 1)
@@ -143,14 +119,55 @@ class Session:
         return decode.Control(cos=cos, sin=sin, block_table=full, block_table_swa=swa, pos=positions,
                               pos_swa=positions - frame, swa_start=swa_start, update_idx=upd, update_idx_swa=upd_swa)
 
+
+class Session:
+    """Decode steps of one build over a batch of sequences: through the torch twins (any topology,
+    emulated), or (``engine="compiled"``) through the build's compiled programs (world size 1)."""
+
+    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin"):
+        m = build.manifest
+        t = m["topology"]
+        self.m, self.batch = m, batch
+        self.world, self.tp, self.dp, self.vtp = t["world_size"], t["tp"], t["dp"], t["vtp"]
+        if batch % self.world:
+            raise GkError(f"batch {batch} is not a multiple of the {self.world} ranks")
+        self.rows_attn = batch // self.dp
+        self.t_shard = batch // self.world
+        cfg = m["model"]
+        self.V, self.H = cfg["vocab_size"], cfg["hidden_size"]
+        kv = build.kv_layout()
+        self.block = kv.block_size
+        self.steps = Controls(m, kv, batch, max_len)
+        hp = m["scalars"]["hidden_padded"]
+        self.tensors = [build.load_rank(r) for r in range(self.world)]
+        self.memo: list[dict] = [{} for _ in range(self.world)]  # dequantized experts, per rank
+        self.kv = [build.allocate_kv() for _ in range(self.world)]
+        self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
+        self.hops = len(t["hops"])
+        meshes = t["meshes"]
+        if self.world == 1:
+            self.emulator = None
+        else:
+            groups = {"tp": meshes["tp_replica_group"], "ep": meshes["ep_replica_group"]}
+            groups.update({("hop", i): mesh for i, mesh in enumerate(meshes["tail_hop_meshes"])})
+            self.emulator = Emulator(groups)
+        self.groups = t["a2a_batch_groups"]
+        self.owned = [owned_rows(r % self.vtp, self.vtp, batch, t["hops"], self.groups)
+                      for r in range(self.world)]
+        self.k = m["layout"]["tail"]["k"]
+        self.to_hf = torch.from_numpy(hidden_layout.sigma(hp))
+        self.engine = engine
+        if engine == "compiled":
+            if self.world != 1:
+                raise GkError("the compiled engine runs world-size-1 builds; verify a multi-rank build with the twins")
+            self.programs = {a["name"]: (build.program(a["name"]), a["inputs"]) for a in m["compile"]["artifacts"]}
+
     def step(self, tokens: torch.Tensor, collect_hiddens: bool = False,
              guide: decode.RoutingGuide | None = None) -> StepResult:
         """Feed one token per sequence; return the logits for the next one."""
         if tokens.shape != (self.batch,):
             raise GkError(f"expected {self.batch} tokens, got {tuple(tokens.shape)}")
-        if self.pos >= self.nbf * self.block:
-            raise GkError(f"position {self.pos} is past the build's decode.max_context of {self.nbf * self.block}")
-        controls = [self._control(rep) for rep in range(self.dp)]
+        controls = self.controls = self.steps.next()
         greedy = torch.zeros(self.batch // self.vtp, 3)  # temperature 0: the argmax
 
         def rank_fn(r, comm):
@@ -170,7 +187,6 @@ class Session:
             results = [rank_fn(0, Single())]
         else:
             results = self.emulator.run(rank_fn)
-        self.pos += 1
         logits = torch.cat([results[v][0].logits for v in range(self.vtp)], dim=1)
         sampled = torch.empty(self.batch, dtype=torch.int64)
         for r in range(self.vtp):

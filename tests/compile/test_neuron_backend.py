@@ -309,3 +309,26 @@ def test_every_kind_of_mismatch_is_refused_in_one_line(fake_sdk, tmp_path, monke
     both = lambda ins: ins + [signature.Input("K_cache", (2, 80, 1, 2, 32, 2), "float8_e4m3", "kv_buffer")]  # noqa: E731
     msg = _refusal(tmp_path, monkeypatch, PER_BUFFER, both, "kv_cache.form=per_buffer")
     assert "exactly one KV form" in msg
+
+
+def test_verify_on_neuron_says_in_one_line_what_it_needs(tmp_path, monkeypatch):
+    """No SDK here: one line, non-zero. With an SDK but a build without NEFFs, or a tail that emits
+    no logits: one line each. The launch line is one process a rank."""
+    from gkbuild.compile import neuron_run
+
+    out = tmp_path / "b"
+    assert run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out), "-q").returncode == 0
+    r = run_cli("verify", str(out), "--engine", "neuron")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("gkbuild: error: --engine neuron: Neuron SDK not installed")
+    monkeypatch.syspath_prepend(str(FAKE_SDK))
+    m = mf.load(out)
+    with pytest.raises(GkError, match="has no Neuron programs"):
+        neuron_run.check(m)
+    m["compile"]["status"] = "ok"
+    with pytest.raises(GkError, match="does not emit logits"):
+        neuron_run.check({**m, "compile": {**m["compile"], "artifacts": [
+            {**a, "scalars": {**a["scalars"], "emit_logits": False}} for a in m["compile"]["artifacts"]]}})
+    assert len(neuron_run.check(m)) == 2
+    cmd = neuron_run.command(out, tmp_path / "g.safetensors", tmp_path / "o", 128, 128)
+    assert cmd[:4] == ["torchrun", "--standalone", "--nproc-per-node=128", "-m"] and cmd[4] == "gkbuild.compile.neuron_run"

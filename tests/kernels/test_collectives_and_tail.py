@@ -104,3 +104,29 @@ def test_sampler():
     # inverse transform: the first candidate whose cumulative mass exceeds u
     for u, want in ((0.1, 10), (float(p[0]) + 1e-3, 11), (float(p[:2].sum()) + 1e-3, 12)):
         assert tail.sample(values[:1], idx[:1], torch.tensor([[0, 1.0, 1.0, u]])).tolist() == [want]
+
+
+@pytest.mark.slow
+def test_batch_grouped_tail_at_the_production_geometry_puts_every_row_where_owned_rows_says():
+    """vocab 201,088 over VTP 128, one hop, a2a_batch_groups 2, batch 256 (a geometry the kernel
+    accepts): each rank's top-k, values and token are those of the rows owned_rows names, in its
+    receive order (two per rank: row r and row 128 + r)."""
+    from gkbuild.layout.tail import batch_groups_refusal
+
+    vtp, gbs, groups, V, H, k = 128, 256, 2, 201088, 32, 256
+    assert batch_groups_refusal(gbs, vtp, (vtp,), groups, V, k) is None
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(gbs, H, generator=g)
+    w = (torch.randn(H, V, generator=g) * 0.3).to(torch.bfloat16)
+    shards = list(w.split(V // vtp, dim=1))
+    greedy = torch.zeros(gbs // vtp, 3)
+    em = _emulator(vtp)
+    outs = em.run(lambda r, comm: tail.step(hidden, torch.ones(1, H), shards[r], comm, 1, k, 1e-5, H, params=greedy,
+                                            emit_logits=False, batch_groups=groups))
+    mirror = tail.lm_head(hidden, torch.ones(1, H), w, 1e-5, H).to(torch.bfloat16).to(torch.float32)
+    values, order = tail.stable_topk(mirror, k)
+    for r in range(vtp):
+        rows = owned_rows(r, vtp, gbs, (vtp,), groups)
+        assert rows == [r, 128 + r]
+        assert torch.equal(outs[r].topk_indices, order[rows]) and torch.equal(outs[r].topk_values, values[rows])
+        assert outs[r].tokens.tolist() == order[rows, 0].tolist()
