@@ -24,17 +24,17 @@ def _workflow() -> dict:
     return yaml.safe_load(WORKFLOW.read_text())
 
 
-def _commands(wf: dict) -> list[list[str]]:
+def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     """Every gkbuild invocation in the job's run steps, env references filled with sample values."""
-    job = wf["jobs"]["build"]
+    job = wf["jobs"][job]
     env = {"RECIPE": "recipes/tiny-cpu.yaml", "GOLDEN": "goldens/tiny.safetensors", "OUT": "artifacts/x",
            "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff"}
     cmds = []
     for step in job["steps"]:
         for line in step.get("run", "").splitlines():
-            line = line.split(">")[0].strip()
+            line = line.split(">")[0].split(";;")[0].strip()
             if ".venv/bin/gkbuild" in line:
-                line = re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], line)
+                line = re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], line[line.index(".venv/bin/gkbuild"):])
                 cmds.append(shlex.split(line)[1:])
     return cmds
 
@@ -51,8 +51,19 @@ def test_the_workflow_builds_verifies_checks_then_publishes_on_a_tag():
     assert any(s.get("run", "").strip() == "make install" for s in steps)
 
 
+def test_the_trainium_job_fetches_the_published_build_and_verifies_its_neffs():
+    wf = _workflow()
+    job = wf["jobs"]["verify-on-trainium"]
+    assert job["needs"] == "build" and "GKBUILD_TRAINIUM_RUNNER" in job["runs-on"]
+    cmds = _commands(wf, "verify-on-trainium")
+    assert [c[0] for c in cmds] == ["fetch", "verify"] and cmds[1][cmds[1].index("--engine") + 1] == "neuron"
+    # the build job needs no NeuronCore: it installs the SDK for trn recipes and traces on the host
+    assert any("gkbuild[neuron]" in s.get("run", "") or ".[neuron]" in s.get("run", "")
+               for s in wf["jobs"]["build"]["steps"])
+
+
 def test_every_gkbuild_command_in_the_workflow_parses():
-    for args in _commands(_workflow()):
+    for args in _commands(_workflow()) + _commands(_workflow(), "verify-on-trainium"):
         cmd = cli.commands[args[0]]
         cmd.make_context(args[0], list(args[1:]))  # raises click.UsageError on an unknown option
 
