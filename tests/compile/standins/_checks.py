@@ -10,6 +10,10 @@ import os
 import torch
 
 FP8_E4M3 = ("float8_e4m3", "float8_e4m3fn")  # is_fp8_e4m3: either variant
+# the per-layer weights the mega kernel stacks on a leading layer axis
+WEIGHTS = ("input_layernorm_weight", "W_qkv", "bias_qkv", "W_out", "bias_out", "sink", "post_attn_layernorm_weight",
+           "router_weights", "router_bias", "expert_gate_up_weights", "expert_down_weights",
+           "expert_gate_up_weights_scale", "expert_down_weights_scale", "expert_gate_up_bias", "expert_down_bias")
 
 
 def kernel_assert(cond, msg):

@@ -1,11 +1,8 @@
 """Stand-in for the public ``gpt_oss_decode_mega_kernel`` (stacked K_cache / V_cache): its
 parameter list, in order, with its defaults, and the assertions its source makes."""
 
-from _checks import check_layer, kernel_assert, kv_update_on, layer, out_like
+from _checks import WEIGHTS, check_layer, kernel_assert, kv_update_on, layer, out_like
 
-STACKED = ("input_layernorm_weight", "W_qkv", "bias_qkv", "W_out", "bias_out", "sink", "post_attn_layernorm_weight",
-           "router_weights", "router_bias", "expert_gate_up_weights", "expert_down_weights",
-           "expert_gate_up_weights_scale", "expert_down_weights_scale", "expert_gate_up_bias", "expert_down_bias")
 
 
 def gpt_oss_decode_mega_kernel(
@@ -17,12 +14,7 @@ def gpt_oss_decode_mega_kernel(
     top_k, eps, hidden_actual, softmax_scale, gate_clamp_upper_limit, up_clamp_upper_limit, up_clamp_lower_limit,
     k_scale=None, v_scale=None,
 ):
-    w = dict(input_layernorm_weight=input_layernorm_weight, W_qkv=W_qkv, bias_qkv=bias_qkv, W_out=W_out,
-             bias_out=bias_out, sink=sink, post_attn_layernorm_weight=post_attn_layernorm_weight,
-             router_weights=router_weights, router_bias=router_bias, expert_gate_up_weights=expert_gate_up_weights,
-             expert_down_weights=expert_down_weights, expert_gate_up_weights_scale=expert_gate_up_weights_scale,
-             expert_down_weights_scale=expert_down_weights_scale, expert_gate_up_bias=expert_gate_up_bias,
-             expert_down_bias=expert_down_bias)
+    w = {n: v for n, v in locals().items() if n in WEIGHTS}
     packed = K_cache.ndim == 6  # "Packed fp8 KV: stacked K_cache is 6D"
     if kv_update_on():
         # "each layer writes its own K_cache[li_k] slice, so caches MUST be stacked per-layer"

@@ -4,7 +4,7 @@ parameter list with K_cache / V_cache optional, up to 18 per-buffer K_cache_buf_
 layers. "The kernel also accepts the stacked K_cache/V_cache and asserts exactly one form is
 present; it reads the packed-FP8 path from the K buffer rank." """
 
-from _checks import check_layer, kernel_assert, kv_update_on, layer, out_like
+from _checks import WEIGHTS, check_layer, kernel_assert, kv_update_on, layer, out_like
 
 
 def gpt_oss_decode_mega_kernel(
@@ -18,12 +18,7 @@ def gpt_oss_decode_mega_kernel(
     K_cache_buf_0=None, K_cache_buf_1=None, K_cache_buf_2=None, K_cache_buf_3=None, K_cache_buf_4=None, K_cache_buf_5=None, K_cache_buf_6=None, K_cache_buf_7=None, K_cache_buf_8=None, K_cache_buf_9=None, K_cache_buf_10=None, K_cache_buf_11=None, K_cache_buf_12=None, K_cache_buf_13=None, K_cache_buf_14=None, K_cache_buf_15=None, K_cache_buf_16=None, K_cache_buf_17=None,
     V_cache_buf_0=None, V_cache_buf_1=None, V_cache_buf_2=None, V_cache_buf_3=None, V_cache_buf_4=None, V_cache_buf_5=None, V_cache_buf_6=None, V_cache_buf_7=None, V_cache_buf_8=None, V_cache_buf_9=None, V_cache_buf_10=None, V_cache_buf_11=None, V_cache_buf_12=None, V_cache_buf_13=None, V_cache_buf_14=None, V_cache_buf_15=None, V_cache_buf_16=None, V_cache_buf_17=None,
 ):
-    w = dict(input_layernorm_weight=input_layernorm_weight, W_qkv=W_qkv, bias_qkv=bias_qkv, W_out=W_out,
-             bias_out=bias_out, sink=sink, post_attn_layernorm_weight=post_attn_layernorm_weight,
-             router_weights=router_weights, router_bias=router_bias, expert_gate_up_weights=expert_gate_up_weights,
-             expert_down_weights=expert_down_weights, expert_gate_up_weights_scale=expert_gate_up_weights_scale,
-             expert_down_weights_scale=expert_down_weights_scale, expert_gate_up_bias=expert_gate_up_bias,
-             expert_down_bias=expert_down_bias)
+    w = {n: v for n, v in locals().items() if n in WEIGHTS}
     given = dict(locals())
     ks = [given[f"K_cache_buf_{j}"] for j in range(18) if given[f"K_cache_buf_{j}"] is not None]
     vs = [given[f"V_cache_buf_{j}"] for j in range(18) if given[f"V_cache_buf_{j}"] is not None]
