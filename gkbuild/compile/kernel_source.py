@@ -99,10 +99,11 @@ def checkout(src: KernelSource, cache: Path) -> Path:
         if head != src.commit:
             raise GkError(f"compile.nki_library: {src.url} checked out {head}, not {src.commit}")
         (tmp / ".gkbuild-complete").write_text(src.commit + "\n")
-        if final.exists():  # a concurrent build finished first; keep its copy
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, final)
+        except OSError:  # a concurrent build finished first: keep its copy
+            if not (final / ".gkbuild-complete").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
