@@ -468,6 +468,11 @@ def main(argv=None) -> None:
     except GkError as e:
         click.echo(f"gkbuild: error: {e}", err=True)
         sys.exit(1)
+    except OSError as e:  # a full disk, a read-only file system, a folder where a file should be...
+        from .errors import os_error
+
+        click.echo(f"gkbuild: error: {os_error(e)}", err=True)
+        sys.exit(1)
     except click.exceptions.Abort:
         click.echo("gkbuild: interrupted", err=True)
         sys.exit(130)

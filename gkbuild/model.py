@@ -12,7 +12,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import GkError
+from .errors import GkError, shown
+
+# What a config may say before anything is sized from it (the real models are far below).
+LIMITS = {"num_hidden_layers": 1024, "num_local_experts": 4096, "experts_per_token": 4096, "hidden_size": 1 << 17,
+          "intermediate_size": 1 << 17, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+          "head_dim": 4096, "vocab_size": 1 << 22, "sliding_window": 1 << 24}
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -107,12 +112,20 @@ class GptOssConfig:
             if not cond:
                 raise GkError(f"{where}: {msg}")
 
-        for name in ("num_hidden_layers", "num_local_experts", "experts_per_token", "hidden_size",
-                     "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "sliding_window"):
+        for name, top in LIMITS.items():
             v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 f"{name} must be a positive integer, got {v!r}")
+            need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= top,
+                 f"{name} must be an integer in 1..{top}, got {shown(v)}")
+        r = self.rope
+        for name, v, lo in (("rope_theta", r.theta, 0.0), ("rope factor", r.factor, 0.0),
+                            ("rope beta_fast", r.beta_fast, None), ("rope beta_slow", r.beta_slow, None),
+                            ("rms_norm_eps", self.rms_norm_eps, 0.0), ("swiglu_limit", self.swiglu_limit, 0.0),
+                            ("swiglu_alpha", self.swiglu_alpha, 0.0)):
+            need(math.isfinite(v) and (lo is None or v > lo),
+                 f"{name} must be a finite{' positive' if lo is not None else ''} number, got {v!r}")
+        for name, v in (("original_max_position_embeddings", r.original_max_position_embeddings),
+                        ("max_position_embeddings", self.max_position_embeddings)):
+            need(0 < v <= 1 << 24, f"{name} must be in 1..{1 << 24}, got {v}")
         need(self.experts_per_token <= self.num_local_experts,
              f"experts_per_token {self.experts_per_token} exceeds num_local_experts {self.num_local_experts}")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -126,7 +139,6 @@ class GptOssConfig:
              f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
         need(not bad, f"layer_types has unknown kinds {bad}; expected {SLIDING!r} or {FULL!r}")
-        need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         return self
 
     @classmethod
@@ -144,20 +156,40 @@ class GptOssConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise GkError(f"{where}: missing keys {missing}")
-        top_k = d.get("num_experts_per_tok", d.get("experts_per_token"))
-        if top_k is None:
+        if d.get("num_experts_per_tok", d.get("experts_per_token")) is None:
             raise GkError(f"{where}: missing key 'num_experts_per_tok'")
-        L = d["num_hidden_layers"]
+
+        def integer(key: str, v, lo: int = 1, hi: int = 1 << 31):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise GkError(f"{where}: {key} must be an integer in {lo}..{hi}, got {shown(v)}")
+            return v
+
+        def number(key: str, v) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise GkError(f"{where}: {key} must be a finite number, got {shown(v)}")
+            return float(v)
+
+        ints = {k: integer(k, d[k]) for k in required}
+        for k, top in LIMITS.items():  # range checks before anything is sized from them
+            if k in ints and ints[k] > top:
+                raise GkError(f"{where}: {k} must be an integer in 1..{top}, got {ints[k]}")
+        top_k = integer("num_experts_per_tok", d.get("num_experts_per_tok", d.get("experts_per_token")))
+        L = ints["num_hidden_layers"]
         layer_types = d.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(L)]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise GkError(f"{where}: layer_types must be a list of strings, got {shown(layer_types)}")
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rp, dict):
+            raise GkError(f"{where}: rope_scaling must be an object, got {shown(rp)}")
         if rp and rp.get("rope_type", "yarn") != "yarn":
-            raise GkError(f"{where}: rope type {rp.get('rope_type')!r} is not supported (GPT-OSS uses 'yarn')")
+            raise GkError(f"{where}: rope type {shown(rp.get('rope_type'))} is not supported (GPT-OSS uses 'yarn')")
         rope = Rope(
-            theta=float(rp.get("rope_theta", d.get("rope_theta", Rope.theta))),
-            factor=float(rp.get("factor", Rope.factor)),
-            beta_fast=float(rp.get("beta_fast", Rope.beta_fast)),
-            beta_slow=float(rp.get("beta_slow", Rope.beta_slow)),
-            original_max_position_embeddings=int(
+            theta=number("rope_theta", rp.get("rope_theta", d.get("rope_theta", Rope.theta))),
+            factor=number("rope factor", rp.get("factor", Rope.factor)),
+            beta_fast=number("rope beta_fast", rp.get("beta_fast", Rope.beta_fast)),
+            beta_slow=number("rope beta_slow", rp.get("beta_slow", Rope.beta_slow)),
+            original_max_position_embeddings=integer(
+                "original_max_position_embeddings",
                 rp.get("original_max_position_embeddings", Rope.original_max_position_embeddings)),
             truncate=bool(rp.get("truncate", True)),
         )
@@ -166,20 +198,20 @@ class GptOssConfig:
                                  "swiglu_limit", "max_position_embeddings"}
         cfg = cls(
             num_hidden_layers=L,
-            num_local_experts=d["num_local_experts"],
+            num_local_experts=ints["num_local_experts"],
             experts_per_token=top_k,
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d["num_key_value_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            vocab_size=d["vocab_size"],
-            sliding_window=d.get("sliding_window") or 128,
+            hidden_size=ints["hidden_size"],
+            intermediate_size=ints["intermediate_size"],
+            num_attention_heads=ints["num_attention_heads"],
+            num_key_value_heads=ints["num_key_value_heads"],
+            head_dim=integer("head_dim", d.get("head_dim") or ints["hidden_size"] // ints["num_attention_heads"]),
+            vocab_size=ints["vocab_size"],
+            sliding_window=integer("sliding_window", d.get("sliding_window") or 128),
             layer_types=tuple(layer_types),
             rope=rope,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+            rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-5)),
+            swiglu_limit=number("swiglu_limit", d.get("swiglu_limit", 7.0)),
+            max_position_embeddings=integer("max_position_embeddings", d.get("max_position_embeddings", 131072)),
             extra={k: v for k, v in d.items() if k not in known},
         )
         return cfg.validate(where)
@@ -192,6 +224,8 @@ class GptOssConfig:
             raise GkError(f"{path}: no config.json (not a checkpoint folder?)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise GkError(f"{path}: not valid JSON ({e})") from None
+        except IsADirectoryError:
+            raise GkError(f"{path}: is a folder, not a config file") from None
         return cls.from_hf(d, where=str(path))
 
     def to_hf(self) -> dict:

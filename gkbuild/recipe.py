@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import GkError
+from .errors import GkError, shown
 from .layout.tail import batch_groups_refusal
 from .model import FULL, SLIDING, GptOssConfig
 
@@ -38,6 +38,7 @@ DEFAULT_TAIL_KERNEL = "nkilib.experimental.gpt_oss_tail:gpt_oss_tail_chunked_meg
 KV_UPDATE_SWITCH = "VLLM_NEURON_MEGA_KV_UPDATE=1"
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _SWITCH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=.*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -162,8 +163,11 @@ class Recipe:
         where = self.path or "recipe"
 
         def bad(key: str, value, expected: str) -> typing.NoReturn:
-            raise GkError(f"{where}: {key}: {value!r} is not valid; {expected}")
+            raise GkError(f"{where}: {key}: {shown(value)} is not valid; {expected}")
 
+        if not _NAME.match(self.name or ""):
+            bad("name", self.name, "a build name is a plain file name: letters, digits, '.', '_', '-', not "
+                                   "starting with '.' (it names the folder under artifacts/)")
         for key, v in (("decode.max_context", self.decode.max_context),
                        ("topology.tp", t.tp), ("topology.dp", t.dp), ("topology.ep", t.ep),
                        ("topology.vtp", t.vtp), ("topology.a2a_batch_groups", t.a2a_batch_groups),
@@ -267,6 +271,48 @@ class Recipe:
 
 
 # -- loading ---------------------------------------------------------------------------------------
+MAX_RECIPE = 1 << 20  # bytes; a recipe is a few hundred
+# Upper bounds that keep anything allocated from a recipe sane (the real builds are far below).
+LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cache.block_size": 1 << 16,
+          "kv_cache.num_blocks": 1 << 30, "kv_cache.hbm_per_rank_gib": 1 << 16, "tail.k": 1 << 16,
+          "topology.tp": 1 << 12, "topology.dp": 1 << 12, "topology.ep": 1 << 16, "topology.vtp": 1 << 16,
+          "topology.hops": 1 << 16, "topology.a2a_batch_groups": 1 << 16}
+INT_LISTS = ("topology.hops", "decode.batch_sizes")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes) and without
+    duplicate keys (the last one would win silently)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise GkError(f"line {ev.start_mark.line + 1}: YAML aliases (*{ev.anchor[:40]}) are not "
+                          f"allowed in a recipe")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for k, _ in node.value:
+            key = self.construct_object(k, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise GkError(f"line {k.start_mark.line + 1}: key {shown(key)} is given twice")
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, where) -> object:
+    """Recipe YAML (or a ``--set`` value): no aliases, no duplicate keys."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except GkError as e:
+        raise GkError(f"{where}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise GkError(f"{where}: not valid YAML{at}") from None
+
+
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.name != "path"}
 
@@ -293,9 +339,18 @@ def _coerce(value, hint, key: str, where, choices):
         list: isinstance(value, list),
     }.get(base)
     if not ok:
-        raise GkError(f"{where}: {key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+        raise GkError(f"{where}: {key}: expected {base.__name__}, got {type(value).__name__} {shown(value)}")
+    if base is float and not math.isfinite(value):
+        raise GkError(f"{where}: {key}: {value!r} is not a finite number")
     if choices and value not in choices:
-        raise GkError(f"{where}: {key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        raise GkError(f"{where}: {key}: {shown(value)} is not one of {', '.join(map(str, choices))}")
+    if key in INT_LISTS and any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise GkError(f"{where}: {key}: expected a list of integers, got {shown(value)}")
+    if base is str and len(value) > 4096:
+        raise GkError(f"{where}: {key}: a string of {len(value)} characters is too long")
+    limit = LIMITS.get(key)
+    if limit is not None and any(v > limit for v in (value if base is list else [value])):
+        raise GkError(f"{where}: {key}: {shown(value)} exceeds the limit of {limit}")
     return float(value) if base is float else value
 
 
@@ -308,8 +363,8 @@ def _build(cls, data, prefix: str, where):
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            full = f"{prefix}{key}"
+            near = difflib.get_close_matches(str(key)[:100], fields, n=1, cutoff=0.6)
+            full = f"{prefix}{str(key)[:100]}"
             hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
             raise GkError(f"{where}: unknown key '{full}'{hint}; valid keys here: {', '.join(fields)}")
     kwargs = {}
@@ -346,23 +401,26 @@ def apply_overrides(data: dict, overrides: list[str], where) -> dict:
             if not isinstance(nxt, dict):
                 raise GkError(f"{where}: --set {key}: '{part}' is not a mapping")
             node = nxt
-        try:
-            node[parts[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise GkError(f"{where}: --set {item!r}: the value is not valid YAML") from None
+        node[parts[-1]] = parse_yaml(value, f"{where}: --set {shown(item)}")
     return data
 
 
 def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        if path.is_dir():
+            raise GkError(f"{path}: is a folder, not a recipe file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE + 1)
     except FileNotFoundError:
         raise GkError(f"{path}: recipe not found") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise GkError(f"{path}: not valid YAML{at}") from None
+    if len(raw) > MAX_RECIPE:
+        raise GkError(f"{path}: over {MAX_RECIPE} bytes; not a recipe")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GkError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    data = parse_yaml(text, path)
     if overrides:
         if not isinstance(data, dict):
             raise GkError(f"{path}: recipe: expected a mapping")

@@ -2,12 +2,19 @@
 that rank's KV buffers.
 
 ``Build.open`` refuses a manifest it cannot honour before any byte of a shard is touched: an
-unknown schema version, another target, a world size the caller does not have. ``load_rank``
-maps the rank's shard files copy-on-write and returns torch tensors that share those pages.
+unknown schema version, another target, a world size the caller does not have, another build than
+``expect_build_id``, a path that leaves the folder. Every file the runtime reads (shards, the KV
+and tail layout, programs) is checked against the manifest when first read: ``verify="hash"``
+(the default) hashes it, unless this host already hashed the very same file (same real path,
+size, mtime and inode; remembered in ``$GKBUILD_CACHE/fingerprints.json``); ``"size"`` checks
+sizes only; ``"none"`` trusts the folder. ``load_rank`` maps the rank's shard files
+copy-on-write and returns torch tensors that share those pages.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +23,12 @@ import numpy as np
 from . import dtypes
 from .pipeline import manifest as mf
 from .checkpoint.safetensors_io import MappedFile, read_header
-from .errors import GkError
-from .layout.kv import KvLayout
+from .errors import GkError, shown
+from .layout.kv import FORMS, KvLayout
+from .paths import confined, inside
+
+VERIFY = ("hash", "size", "none")
+KV_DTYPES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e4m3fn": 1}
 
 
 @dataclass
@@ -96,23 +107,38 @@ class _KvArgs(KvBuffers):
 
 
 class Build:
-    def __init__(self, root: Path, manifest: dict):
+    def __init__(self, root: Path, manifest: dict, verify: str = "hash"):
         self.root = root
         self.manifest = manifest
+        self.verify = verify
         self._files = {f["path"]: f for f in manifest["files"]}
         self._maps: dict[str, MappedFile] = {}
+        self._checked: set[str] = set()
 
     @classmethod
-    def open(cls, path: Path | str, target: str | None = None, world_size: int | None = None) -> "Build":
+    def open(cls, path: Path | str, target: str | None = None, world_size: int | None = None,
+             verify: str = "hash", expect_build_id: str | None = None) -> "Build":
         root = Path(path)
+        if verify not in VERIFY:
+            raise GkError(f"verify={verify!r}: expected one of {', '.join(VERIFY)}")
         m = mf.load(root)
+        if expect_build_id is not None:
+            want = str(expect_build_id).lower()
+            if len(want) < 12 or not m["build_id"].startswith(want):
+                raise GkError(f"{root}: holds build {m['build_id'][:16]}, not the expected {want[:64]} "
+                              f"(give at least 12 hex digits)")
+        where = f"{root / mf.NAME}"
+        for rel in [f["path"] for f in m["files"]] + [x["file"] for r in m["ranks"] for x in r["loads"]] + \
+                [m["layout"][k]["file"] for k in ("kv", "tail")] + \
+                [a["path"] for a in m["compile"]["artifacts"] if a.get("path") is not None]:
+            confined(rel, where)
         if target is not None and m["target"] != target:
             raise GkError(f"{root}: built for target {m['target']!r}, not {target!r}")
         world = m["topology"]["world_size"]
         if world_size is not None and world_size != world:
             raise GkError(f"{root}: built for {world} ranks (TP{m['topology']['tp']} x DP{m['topology']['dp']}), "
                           f"this runtime has {world_size}")
-        return cls(root, m)
+        return cls(root, m, verify)
 
     @property
     def world_size(self) -> int:
@@ -123,16 +149,38 @@ class Build:
             raise GkError(f"{self.root}: rank {rank} is outside 0..{self.world_size - 1}")
         return self.manifest["ranks"][rank]
 
+    def file(self, rel: str) -> Path:
+        """The path of a file the manifest lists, checked as ``verify`` says (once per Build)."""
+        entry = self._files.get(rel)
+        if entry is None:
+            raise GkError(f"{self.root}: {rel} is not in the manifest")
+        p = inside(self.root, rel)
+        if rel in self._checked or self.verify == "none":
+            return p
+        if not p.is_file():
+            raise GkError(f"{p}: missing (listed in the manifest)")
+        if p.stat().st_size != entry["size"]:
+            raise GkError(f"{p}: {p.stat().st_size} bytes, the manifest says {entry['size']}")
+        if self.verify == "hash":
+            from .checkpoint.source import cache_root
+            from .pipeline.fingerprint import Fingerprints, sha256_file
+
+            fps = Fingerprints(cache_root())
+            digest = fps.lookup(p)
+            if digest is None:
+                digest = sha256_file(p)
+                fps.remember(p, digest)
+                fps.save()
+            if digest != entry["sha256"]:
+                raise GkError(f"{p}: refused: sha256 {digest[:16]}... is not the manifest's {entry['sha256'][:16]}... "
+                              f"(the file changed since it was built; run gkbuild check)")
+        self._checked.add(rel)
+        return p
+
     def _mapped(self, rel: str) -> MappedFile:
         if rel not in self._maps:
             entry = self._files.get(rel)
-            if entry is None:
-                raise GkError(f"{self.root}: {rel} is not in the manifest")
-            p = self.root / rel
-            if not p.is_file():
-                raise GkError(f"{p}: missing (listed in the manifest)")
-            if p.stat().st_size != entry["size"]:
-                raise GkError(f"{p}: {p.stat().st_size} bytes, the manifest says {entry['size']}")
+            p = self.file(rel)
             header = read_header(p)
             for t in entry.get("tensors", []):
                 info = header.tensors.get(t["name"])
@@ -173,10 +221,10 @@ class Build:
             raise GkError(f"{self.root}: no compiled {name} program ({self.manifest['compile']['status']})")
         if art["format"] != "aoti-pt2":
             raise GkError(f"{self.root}: the {name} program is a {art['format']}; it runs on {art['target']}, not here")
-        p = self.root / art["path"]
+        p = inside(self.root, art["path"])
         if not p.is_file():
             raise GkError(f"{p}: missing (listed in the manifest)")
-        digest = sha256_file(p)
+        digest = sha256_file(p)  # native code: always hashed, whatever ``verify`` says
         if digest != art["sha256"]:
             raise GkError(f"{p}: refused: sha256 {digest[:16]}... is not the manifest's {art['sha256'][:16]}... "
                           f"(the file changed since it was built)")
@@ -187,11 +235,20 @@ class Build:
             raise GkError(f"{p}: refused: built for cuda, and no GPU is available here")
         return torch._inductor.aoti_load_package(str(p))
 
+    def layout_doc(self, kind: str) -> dict:
+        """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard."""
+        p = self.file(self.manifest["layout"][kind]["file"])
+        try:
+            doc = json.loads(p.read_bytes())
+        except (ValueError, OSError) as e:
+            raise GkError(f"{p}: not readable JSON ({str(e)[:80]})") from None
+        if not isinstance(doc, dict):
+            raise GkError(f"{p}: not a JSON object")
+        return doc
+
     def kv_layout(self) -> KvLayout:
-        kv = self.manifest["layout"]["kv"]
-        doc = _read_json(self.root / kv["file"])
-        return KvLayout(**{k: doc[k] for k in ("form", "num_layers", "num_blocks", "kv_heads", "block_size",
-                                                "head_dim", "dtype", "itemsize", "packed")})
+        return _kv_checked(self.layout_doc("kv"), self.manifest["layout"]["kv"],
+                           self.root / self.manifest["layout"]["kv"]["file"])
 
     def allocate_kv(self, num_blocks: int | None = None) -> KvBuffers:
         """Zeroed KV buffers for one rank in the build's form (optionally fewer blocks than the
@@ -202,7 +259,14 @@ class Build:
 
         lay = self.kv_layout()
         if num_blocks is not None:
+            if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 0 < num_blocks <= lay.num_blocks:
+                raise GkError(f"allocate_kv: num_blocks {num_blocks!r} is not in 1..{lay.num_blocks} (the build's budget)")
             lay = dataclasses.replace(lay, num_blocks=num_blocks)
+        need = lay.bytes_per_rank
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise GkError(f"{self.root}: the KV cache needs {need / 2**30:.1f} GiB, more than this host's "
+                          f"{have / 2**30:.1f} GiB of memory; pass allocate_kv(num_blocks=...) for fewer blocks")
         dt = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.uint8}[lay.dtype]
         return KvBuffers(lay, [torch.zeros(lay.allocation_shape, dtype=dt) for _ in range(lay.allocations)])
 
@@ -212,10 +276,20 @@ class Build:
         self._maps.clear()
 
 
-def _read_json(p: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise GkError(f"{p}: missing (listed in the manifest)") from None
+def _kv_checked(doc: dict, entry: dict, where: Path) -> KvLayout:
+    """A KvLayout from ``kv.json`` only if every value is in range and agrees with the manifest
+    (nothing is allocated from an unchecked number)."""
+    ints = ("num_layers", "num_blocks", "kv_heads", "block_size", "head_dim", "itemsize")
+    for k in ints:
+        v = doc.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 31:
+            raise GkError(f"{where}: {k} is {shown(v)}; expected a positive integer")
+    if doc.get("dtype") not in KV_DTYPES or KV_DTYPES[doc["dtype"]] != doc["itemsize"] \
+            or not isinstance(doc.get("packed"), bool):
+        raise GkError(f"{where}: dtype {shown(doc.get('dtype'))} / itemsize / packed are not a KV format")
+    if doc.get("form") not in FORMS:
+        raise GkError(f"{where}: form {shown(doc.get('form'))} is not one of {', '.join(FORMS)}")
+    for k in ("form", "num_blocks", "block_size", "dtype", "packed"):
+        if doc[k] != entry.get(k):
+            raise GkError(f"{where}: {k} is {shown(doc[k])}, the manifest says {shown(entry.get(k))}")
+    return KvLayout(**{k: doc[k] for k in ("form", *ints[:5], "dtype", "itemsize", "packed")})

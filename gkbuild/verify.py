@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 import torch
 
 from .errors import GkError
@@ -143,7 +145,8 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         from .checkpoint.source import materialize, parse
 
         src = m["source"]
-        spec = parse(src["uri"] if src["kind"] != "dir" else src["uri"])
+        # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
+        spec = parse(src["uri"], base=Path.cwd())
         n = prompts or min(4, batch)
         g = for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps)
     else:

@@ -65,7 +65,7 @@ def test_contract_numbers():
     ({"num_experts_per_tok": 200}, "exceeds"),
     ({"layer_types": ["sliding_attention"]}, "layer_types has 1 entries"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope type"),
-    ({"num_hidden_layers": -1, "layer_types": []}, "positive integer"),
+    ({"num_hidden_layers": -1, "layer_types": []}, "must be an integer in 1"),
 ])
 def test_bad_configs(change, message):
     d = dict(HUB_120B)

@@ -95,9 +95,11 @@ class Checkpoint:
         arr = self._map(info).array(info)
         if lo is not None:
             arr = arr[lo:hi]
+        where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
         if name.endswith("_scales"):
-            where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             check_scales(arr, where)
+        elif info.dtype.name == "bf16":
+            check_finite_bf16(arr, where)
         return arr
 
     def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:
@@ -135,6 +137,16 @@ class Checkpoint:
             k = names.kind(name)
             out[k] = out.get(k, 0) + info.nbytes
         return out
+
+
+def check_finite_bf16(arr: np.ndarray, where: str) -> None:
+    """A bf16 NaN or infinity (exponent bits all ones) means a corrupt or diverged checkpoint:
+    refused where it is read, so a build never carries one into its shards."""
+    bits = np.asarray(arr).view(np.uint16).reshape(-1)
+    if bits.size and np.bitwise_and(bits, 0x7F80).max(initial=0) == 0x7F80:
+        bad = np.flatnonzero(np.bitwise_and(bits, 0x7F80) == 0x7F80)
+        raise GkError(f"{where}: {bad.size} non-finite bf16 value(s) (NaN or infinity), first at flat index "
+                      f"{int(bad[0])}")
 
 
 def _read_index(root: Path) -> dict[str, str] | None:

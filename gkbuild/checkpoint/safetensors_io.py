@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes
-from ..errors import GkError
+from ..errors import GkError, shown
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -46,6 +46,13 @@ class Header:
     metadata: dict[str, str]
 
 
+def _whole(v) -> int:
+    """A shape or offset: a JSON integer, never a float (960.5 would be truncated) or a bool."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(v)
+    return v
+
+
 def read_header(path: Path) -> Header:
     """Parse and fully validate a safetensors header against the file's real size."""
     path = Path(path)
@@ -62,6 +69,8 @@ def read_header(path: Path) -> Header:
             raw = f.read(n)
     except FileNotFoundError:
         raise GkError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise GkError(f"{path}: is a folder, not a safetensors file") from None
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -69,18 +78,20 @@ def read_header(path: Path) -> Header:
     if not isinstance(obj, dict):
         raise GkError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise GkError(f"{path}: corrupt safetensors header: __metadata__ is not a map of strings")
     data_start = 8 + n
     data_len = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, e in obj.items():
         try:
             dt = dtypes.from_safetensors(e["dtype"])
-            shape = tuple(int(s) for s in e["shape"])
-            begin, end = (int(v) for v in e["data_offsets"])
+            shape = tuple(_whole(s) for s in e["shape"])
+            begin, end = (_whole(v) for v in e["data_offsets"])
         except GkError as err:
             raise GkError(f"{path}: tensor {name}: {err}") from None
         except (KeyError, TypeError, ValueError):
-            raise GkError(f"{path}: tensor {name}: malformed header entry {e!r}") from None
+            raise GkError(f"{path}: tensor {shown(name)}: malformed header entry {shown(e)}") from None
         if any(s < 0 for s in shape) or begin < 0 or end < begin:
             raise GkError(f"{path}: tensor {name}: invalid shape {list(shape)} or offsets [{begin}, {end}]")
         want = math.prod(shape) * dt.itemsize

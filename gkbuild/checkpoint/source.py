@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlparse
 
 from ..errors import GkError
 from ..model import GptOssConfig, preset
+from ..paths import file_lock
 from ..progress import Advance
 
 SYNTH_KEYS = ("layers", "seed")
@@ -23,10 +24,11 @@ KNOWN_REPOS = {"openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt
 @dataclass(frozen=True)
 class SourceSpec:
     kind: str  # "hf" | "dir" | "synth"
-    uri: str  # as written (hf/synth) or the resolved folder (dir)
+    uri: str  # as written in the recipe (hf/synth normalized): a build never records a machine path
     preset: str | None = None
     layers: int | None = None
     seed: int = 0
+    path: str | None = None  # dir: the resolved folder
 
     def describe(self) -> dict:
         d = {"kind": self.kind, "uri": self.uri}
@@ -63,7 +65,7 @@ def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpe
     p = Path(text).expanduser()
     if not p.is_absolute() and base is not None:
         p = base / p
-    return SourceSpec("dir", str(p.resolve()))
+    return SourceSpec("dir", text, path=str(p.resolve()))
 
 
 def cache_root() -> Path:
@@ -83,7 +85,7 @@ def model_config(spec: SourceSpec, offline_preset: bool = False) -> GptOssConfig
     if spec.kind == "synth":
         return synth_config(spec)
     if spec.kind == "dir":
-        return GptOssConfig.from_file(Path(spec.uri) / "config.json")
+        return GptOssConfig.from_file(Path(spec.path) / "config.json")
     from .hub import fetch_config, parse as parse_hf
 
     try:
@@ -108,7 +110,7 @@ def synth_cache_dir(spec: SourceSpec) -> Path:
 def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
     """The local checkpoint folder for a source (downloading or synthesizing as needed)."""
     if spec.kind == "dir":
-        p = Path(spec.uri)
+        p = Path(spec.path)
         if not p.is_dir():
             raise GkError(f"source {p}: folder not found")
         return p
@@ -119,6 +121,12 @@ def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
     from .synth import synthesize
 
     out = synth_cache_dir(spec)
-    if not (out / "config.json").exists():
-        synthesize(synth_config(spec), out, seed=spec.seed, force=True, advance=advance)
+    if (out / "config.json").exists():
+        return out
+    # Builds sharing a cache synthesize one at a time; the one that waited finds it done. A
+    # finished checkpoint is never replaced; a folder left without config.json (not one synthesis
+    # writes: it renames a complete folder into place) is refused rather than deleted.
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "config.json").exists():
+            synthesize(synth_config(spec), out, seed=spec.seed, advance=advance)
     return out

@@ -8,7 +8,10 @@ files. The decode package writes the new token's K/V into the KV buffers it is g
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -54,12 +57,74 @@ def build(program: torch.nn.Module, sig: Signature, batch_sizes: list[int], targ
     except Exception as e:  # noqa: BLE001 - a trace failure is the build's error, said in one line
         raise GkError(f"torch.export of the {sig.program} program failed: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    tmp = out.with_name(f".{out.stem}.{os.getpid()}.partial.pt2")  # aoti wants a .pt2 name
+    # Compiled in a private folder (so the archive's root is the program's name, never a temp
+    # name), then rewritten without machine paths, and renamed into place when complete.
+    tmp = out.parent / f".tmp-compile-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with warnings.catch_warnings():
+        tmp.mkdir()
+        staged = tmp / "staged" / f"{out.stem}.pt2"
+        staged.parent.mkdir()
+        with warnings.catch_warnings(), fixed_cache() as cache, \
+                torch._inductor.config.patch({"aot_inductor.enable_line_tables": False}):
             warnings.simplefilter("ignore", FutureWarning)
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
-        os.replace(tmp, out)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(staged))
+            normalize(staged, tmp / f"{out.stem}.pt2", cache)
+        os.replace(tmp / f"{out.stem}.pt2", out)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Records the archive writer adds itself (from the content, so they are deterministic too).
+_WRITER_RECORDS = {"version", ".data/version", "byteorder", ".data/serialization_id"}
+_TEXT = (".cpp", ".h", ".json", ".txt")
+
+
+@contextlib.contextmanager
+def fixed_cache():
+    """Inductor's cache folder for one compile: always the same path, emptied first, held under a
+    lock. g++ records the path of every source it compiles in the ``.so`` (its symbol table) and
+    inductor hashes kernel sources that name it, so a path that varies (a fresh
+    ``$TORCHINDUCTOR_CACHE_DIR``, another user's ``/tmp/torchinductor_<user>``) varies the bytes."""
+    from ..paths import file_lock
+
+    root = Path(tempfile.gettempdir()) / f"gkbuild-aoti-{os.getuid()}"
+    with file_lock(root.with_name(root.name + ".lock")):
+        if os.path.islink(root) or (root.exists() and root.stat().st_uid != os.getuid()):
+            raise GkError(f"{root}: is a symlink or not ours; refusing to compile through it")
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(mode=0o700)
+        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root)
+        try:
+            yield str(root)
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def normalize(src: Path, dst: Path, cache: str) -> None:
+    """``src`` rewritten as ``dst`` with nothing of the machine it was compiled on: the archive's
+    root folder is ``dst``'s stem, and the inductor cache folders (``cache``, and the per-user
+    ``/tmp/torchinductor_<user>`` of its precompiled headers), which AOTInductor writes into the
+    generated sources' comments, read ``<inductor-cache>``. Records keep their order; the zip
+    writer stamps no times."""
+    import zipfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch.export.pt2_archive._package import PT2ArchiveWriter
+
+    prefixes = sorted({cache, default_cache_dir()}, key=len, reverse=True)
+    with zipfile.ZipFile(src) as z, PT2ArchiveWriter(str(dst)) as w:
+        for name in z.namelist():
+            rel = name.split("/", 1)[1]
+            if rel in _WRITER_RECORDS:
+                continue
+            data = z.read(name)
+            if rel.endswith(_TEXT):
+                for p in prefixes:
+                    data = data.replace(p.encode(), b"<inductor-cache>")
+            w.write_bytes(rel, data)

@@ -47,8 +47,9 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     return e
 
 
-def run(plan, out: Path, state, progress, require_neff: bool = False):
-    """(manifest compile entry, stage key, status, detail) for the compile stage."""
+def run(plan, out: Path, state, progress, require_neff: bool = False, before_write=lambda: None):
+    """(manifest compile entry, stage key, status, detail) for the compile stage; ``before_write``
+    is called before the first artifact is (re)written."""
     r = plan.recipe
     sigs = signature.programs(plan)
     kernel = None
@@ -79,6 +80,7 @@ def run(plan, out: Path, state, progress, require_neff: bool = False):
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
     t0 = time.perf_counter()
     if not cached:
+        before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
             if r.backend == "inductor":

@@ -1,18 +1,18 @@
 """File content hashes, computed once and remembered.
 
-A file's sha256 is remembered in ``$GKBUILD_CACHE/fingerprints.json`` under its real path, size
-and mtime; a hub cache file that links to ``blobs/<sha256>`` (git LFS) needs no hashing at all.
+A file's sha256 is remembered in ``$GKBUILD_CACHE/fingerprints.json`` under its real path, size,
+mtime and inode; a hub cache file that links to ``blobs/<sha256>`` (git LFS) needs no hashing at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import fsync_dir
+from ..paths import file_lock
+from .state import read_json_record, write_json_atomic
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 CHUNK = 8 << 20
@@ -30,9 +30,10 @@ def sha256_file(path: Path, advance=lambda n: None) -> str:
 
 
 def identity(path: Path) -> str:
-    """What a remembered hash is keyed by: real path, size, mtime."""
+    """What a remembered hash is keyed by: real path, size, mtime, inode (a file replaced by
+    another, even of the same size and time, is hashed again)."""
     st = os.stat(path)
-    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
 
 
 def lfs_sha(path: Path) -> str | None:
@@ -45,22 +46,32 @@ def lfs_sha(path: Path) -> str | None:
 
 
 class Fingerprints:
+    """Remembered hashes. Several builds may share one cache: the record is read and merged under
+    a file lock, so no process's hashes overwrite another's, and a corrupt record is set aside."""
+
     def __init__(self, cache_dir: Path):
         self.path = Path(cache_dir) / "fingerprints.json"
-        try:
-            self.known: dict[str, str] = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            self.known = {}
+        self.known: dict[str, str] = self._read()
+        self._new: dict[str, str] = {}
+
+    def _read(self) -> dict[str, str]:
+        def problem(d):
+            ok = isinstance(d, dict) and all(isinstance(v, str) and _SHA.match(v) for v in d.values())
+            return None if ok else "not a map of sha256 digests"
+
+        return read_json_record(self.path, problem) or {}
 
     def lookup(self, path: Path) -> str | None:
         return lfs_sha(path) or self.known.get(identity(path))
 
     def remember(self, path: Path, digest: str) -> None:
-        self.known[identity(path)] = digest
+        self.known[identity(path)] = self._new[identity(path)] = digest
 
     def save(self) -> None:
+        if not self._new:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.known, indent=0, sort_keys=True))
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
+        with file_lock(self.path.with_name("fingerprints.lock")):
+            self.known = {**self._read(), **self._new}
+            write_json_atomic(self.path, self.known, indent=0)
+        self._new = {}

@@ -13,9 +13,9 @@ build resumes without redoing them.
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing as mp
 import os
+import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
@@ -24,11 +24,12 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoint.reader import INDEX, Checkpoint, weight_files
-from ..checkpoint.safetensors_io import syncfs
+from ..checkpoint.safetensors_io import fsync_dir, syncfs
 from ..checkpoint.source import cache_root, materialize, parse, synth_cache_dir, synth_config
 from ..errors import GkError
 from ..layout.tail import owned_rows
 from ..model import GptOssConfig
+from ..paths import claim, file_lock, inside, our_temporaries
 from ..plan import Plan, ShardFile, make_plan
 from ..progress import Progress
 from ..recipe import Recipe
@@ -76,17 +77,10 @@ class BuildResult:
 
 @contextmanager
 def _lock(out: Path):
-    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / STATE_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise GkError(f"{out}: another gkbuild compile is writing this folder") from None
-    try:
+    with file_lock(out / STATE_DIR / "lock", wait=False) as fd:
+        if fd is None:
+            raise GkError(f"{out}: another gkbuild compile is writing this folder")
         yield
-    finally:
-        os.close(fd)
 
 
 class _Runner:
@@ -156,10 +150,20 @@ class _Build:
         self.recipe, self.out, self.jobs, self.progress = recipe, out, jobs, progress
         self.state = State(out)
         if force:
-            self.state.stages, self.state.shards = {}, {}
+            self.state.stages, self.state.shards, self.state.source = {}, {}, {}
         self.reports: list[StageReport] = []
         self.keys: dict[str, str] = {}
         self.written = self.nbytes = 0
+        for p in our_temporaries(out):  # an interrupted earlier run's (nothing else writes here: we hold the lock)
+            (shutil.rmtree if p.is_dir() and not p.is_symlink() else Path.unlink)(p)
+
+    def unpublish(self) -> None:
+        """Take the manifest away before the first byte of a rebuild changes: a folder with a
+        manifest is always complete (the new manifest is written last)."""
+        path = self.out / mf.NAME
+        if path.exists() or path.is_symlink():
+            path.unlink()
+            fsync_dir(self.out)
 
     def report(self, name: str, ran: bool, t0: float, detail: str = "") -> None:
         self.reports.append(StageReport(name, "ran" if ran else "cached", time.perf_counter() - t0 if ran else 0.0,
@@ -176,6 +180,10 @@ class _Build:
 
             self.progress.task("resolve", f"synthesize {self.spec.preset}", total_bytes(synth_config(self.spec)))
         self.root = materialize(self.spec, advance=self.progress.advancer("resolve"))
+        src, out = self.root.resolve(), self.out.resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise GkError(f"{self.out}: the output folder and the source checkpoint {self.root} overlap; "
+                          f"build into a folder outside the checkpoint")
         self.report("resolve", synthesize, t0, self.spec.uri if self.spec.kind == "synth" else str(self.root))
 
     def validate(self) -> None:
@@ -184,11 +192,14 @@ class _Build:
         names = ["config.json"] + ([INDEX] if (self.root / INDEX).exists() else []) + weight_files(self.root)
         self.source_files = sorted((self.root / n for n in names), key=lambda p: p.name)
         self.identity = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in self.source_files]
-        self.keys["validate"] = key("validate", self.identity, __version__)
-        cached = self.state.stages.get("validate") == self.keys["validate"]
+        # Whether these exact files were validated before is remembered by name, size and mtime (in
+        # the folder's state only); the manifest's stage key hashes their content (set in shards).
+        checked = key("validated", self.identity, self.recipe.digest(), __version__)
+        cached = self.state.source.get("validated") == checked
         if not cached:
             Checkpoint.open(self.root).close()
             self.recipe.check_against(self.config)
+        self._validated = checked
         self.report("validate", not cached, t0, f"{len(self.source_files)} files, headers checked")
 
     def plan(self) -> None:
@@ -204,8 +215,6 @@ class _Build:
         self.fps = Fingerprints(cache_root())
         self.digests = {p.name: self.fps.lookup(p) for p in self.source_files}
         unknown = [p for p in self.source_files if self.digests[p.name] is None]
-        for p in (self.out / "weights").glob("*.partial") if (self.out / "weights").exists() else []:
-            p.unlink(missing_ok=True)  # an interrupted earlier run's temporaries
         self._results: dict[str, tuple[int, str]] = {}
         self._unrecorded: list[ShardFile] = []
         self._last_sync = time.monotonic()
@@ -218,6 +227,8 @@ class _Build:
                 self.fps.save()
                 unknown, self._fp = [], self.source_fp()
             todo = self._todo()
+            if todo or any(p not in {f.path for f in self.plan_.files} for p in self.state.shards):
+                self.unpublish()
             if todo or unknown:
                 # A first build with unhashed sources hashes them alongside the emission.
                 runner = runner or _Runner(self.jobs, self.progress)
@@ -241,9 +252,10 @@ class _Build:
             runner.close()
         keep = {f.path for f in self.plan_.files}
         for path in [p for p in self.state.shards if p not in keep]:  # an earlier plan's shards
-            (self.out / path).unlink(missing_ok=True)
+            inside(self.out, path).unlink(missing_ok=True)
             del self.state.shards[path]
-        self.state.source = {"identity": self.identity, "fingerprint": self.source_fp()}
+        self.state.source = {"identity": self.identity, "fingerprint": self.source_fp(), "validated": self._validated}
+        self.keys["validate"] = key("validate", self.source_fp(), __version__)
         self.keys["shards"] = key("shards", sorted((f.path, self.state.shards[f.path]["key"])
                                                    for f in self.plan_.files))
         n = len(self.plan_.files)
@@ -303,8 +315,9 @@ class _Build:
         self.keys["layout"] = key("layout", docs, __version__)
         cached = self.state.stages.get("layout") == self.keys["layout"] and all((self.out / p).exists() for p in docs)
         if not cached:
+            self.unpublish()
             for p, doc in docs.items():
-                write_json_atomic(self.out / p, doc)
+                write_json_atomic(inside(self.out, p), doc)
         self.layout_files = [{"path": p, "size": (self.out / p).stat().st_size,
                               "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
         self.report("layout", not cached, t0, ", ".join(docs))
@@ -319,7 +332,8 @@ class _Build:
         from ..compile import stage
 
         self.compile_entry, self.keys["compile"], status, detail = stage.run(self.plan_, self.out, self.state,
-                                                                             self.progress, require_neff)
+                                                                             self.progress, require_neff,
+                                                                             before_write=self.unpublish)
         self.reports.append(StageReport("compile", status, time.perf_counter() - t0, detail))
 
     def manifest(self) -> dict:
@@ -361,7 +375,7 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     False stops after the layout metadata (shards, metadata and manifest only)."""
     t0 = time.perf_counter()
     out = Path(out) if out else recipe.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    claim(out)
     with _lock(out), Progress(quiet) as progress:
         b = _Build(recipe, out, jobs or os.cpu_count() or 1, force, progress)
         b.resolve()

@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import fsync_dir
+from ..errors import GkError
+from ..paths import STATE_DIR, confined
 
-STATE_DIR = ".gkbuild"
+MAX_RECORD = 64 << 20  # a state or fingerprint file is never near this; a bigger one is not read
 
 
 def key(*parts) -> str:
@@ -36,18 +38,67 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def dumps_strict(obj, indent: int | None = 1) -> bytes:
+    """Canonical JSON (sorted keys: byte-identical for identical content), strict: a NaN or an
+    infinity is refused rather than written as a token strict JSON readers reject."""
+    try:
+        return (json.dumps(obj, indent=indent, sort_keys=True, allow_nan=False) + "\n").encode()
+    except ValueError as e:
+        raise GkError(f"internal: refusing to write non-finite JSON ({e})") from None
+
+
 def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
-    """Canonical JSON (sorted keys: byte-identical for identical content), written atomically."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, dumps_strict(obj, indent))
+
+
+def read_json_record(path: Path, valid) -> dict | None:
+    """A record gkbuild keeps for itself (state, fingerprints, fetch progress): None when absent.
+    One that is unreadable, too big, not JSON, or that ``valid(obj)`` rejects (it returns why, or
+    None) is set aside as ``<name>.corrupt-<n>`` with a warning: it never blocks a build."""
+    from ..progress import warn
+
+    try:
+        if path.stat().st_size > MAX_RECORD:
+            raise ValueError(f"{path.stat().st_size} bytes")
+        obj = json.loads(path.read_bytes())
+        why = valid(obj)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = str(e) or type(e).__name__
+    if why is None:
+        return obj
+    n = 0
+    while os.path.lexists(aside := path.with_name(f"{path.name}.corrupt-{n}")):
+        n += 1
+    os.replace(path, aside)
+    warn(f"{path}: unreadable ({why[:120]}); set aside as {aside.name} and starting afresh")
+    return None
+
+
+def _state_problem(d) -> str | None:
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    stages, shards, source = d.get("stages", {}), d.get("shards", {}), d.get("source", {})
+    if not (isinstance(stages, dict) and all(isinstance(v, str) for v in stages.values())):
+        return "stages is not a map of keys"
+    if not isinstance(source, dict) or not isinstance(shards, dict):
+        return "source or shards is not an object"
+    for path, rec in shards.items():
+        try:
+            confined(path, "shards")
+        except GkError as e:
+            return str(e)
+        if not (isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("sha256"), str)
+                and isinstance(rec.get("size"), int) and not isinstance(rec["size"], bool)):
+            return f"shard record for {path} is malformed"
+    return None
 
 
 class State:
     def __init__(self, build_dir: Path):
         self.path = Path(build_dir) / STATE_DIR / "state.json"
-        try:
-            d = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            d = {}
+        d = read_json_record(self.path, _state_problem) or {}
         self.stages: dict[str, str] = d.get("stages", {})
         self.shards: dict[str, dict] = d.get("shards", {})
         self.source: dict = d.get("source", {})

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import threading
 from pathlib import Path
 
 from ..pipeline import manifest as mf
-from ..pipeline.state import STATE_DIR, write_bytes_atomic, write_json_atomic
+from ..pipeline.fingerprint import sha256_file
+from ..pipeline.state import STATE_DIR, read_json_record, write_bytes_atomic, write_json_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
+from ..paths import confined, inside
 from ..progress import bar
 from . import codec, index
 from .parallel import run_each
@@ -62,21 +63,21 @@ def read_manifest(store) -> tuple[dict, dict, bytes]:
     if missing:
         raise GkError(f"{store.uri}: the store lacks {missing[0]} (and {len(missing) - 1} more) the manifest lists")
     for p in listed:
-        index.safe_path(p, f"{store.uri} manifest")
+        confined(p, f"{store.uri} manifest")
     return idx, m, buf.getvalue()
 
 
-def _inside(dest: Path, rel: str) -> Path:
-    """``dest/rel``, refusing if a folder on the way is a symlink or not a folder."""
-    p = dest
-    for part in rel.split("/")[:-1]:
-        p = p / part
-        if os.path.islink(p) or (p.exists() and not p.is_dir()):
-            raise GkError(f"{p}: is a symlink or not a folder; refusing to write {rel} through it")
-    target = dest / rel
-    if os.path.islink(target):
-        raise GkError(f"{target}: is a symlink; refused")
-    return target
+def _record_problem(d) -> str | None:
+    if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
+        return "not a fetch record"
+    for rel, r in d["files"].items():
+        try:
+            confined(rel, "fetch record")
+        except GkError as e:
+            return str(e)
+        if not (isinstance(r, list) and len(r) == 3 and isinstance(r[2], str)):
+            return f"malformed entry for {rel}"
+    return None
 
 
 class _Record:
@@ -86,12 +87,9 @@ class _Record:
         self.path = dest / RECORD
         self.build_id = build_id
         self.lock = threading.Lock()
-        try:
-            data = json.loads(self.path.read_text())
-            self.files = data["files"] if isinstance(data.get("files"), dict) else {}
-            self.previous_build = data.get("build_id")
-        except (FileNotFoundError, ValueError, AttributeError, KeyError):
-            self.files, self.previous_build = {}, None
+        data = read_json_record(self.path, _record_problem) or {}
+        self.files = data.get("files", {})
+        self.previous_build = data.get("build_id")
 
     def intact(self, dest: Path, rel: str, sha256: str) -> bool:
         r = self.files.get(rel)
@@ -111,21 +109,28 @@ class _Record:
 
 
 def _prepare(dest: Path, m: dict, record: _Record) -> None:
-    """Refuse a folder that holds another build or files this fetch did not verify; drop files an
-    earlier, interrupted fetch of another build verified that this build does not have."""
+    """Refuse a folder that holds another build or files this fetch cannot vouch for; drop files an
+    earlier, interrupted fetch of another build verified that this build does not have. A file in
+    place that the record does not list (a kill between moving it in and recording it) is hashed:
+    kept and recorded if it is the manifest's content, else refused by name."""
     if (dest / mf.NAME).exists():
         raise GkError(f"{dest}: already holds a build ({mf.NAME} present); fetch into a new or empty folder")
     wanted = {f["path"]: f["sha256"] for f in m["files"]}
     for rel in list(record.files):
         if wanted.get(rel) != record.files[rel][2]:
-            (dest / rel).unlink(missing_ok=True)
+            inside(dest, rel).unlink(missing_ok=True)
             del record.files[rel]
     for p in sorted(dest.rglob("*")) if dest.exists() else []:
         rel = p.relative_to(dest).as_posix()
         if rel.split("/")[0] == STATE_DIR or (p.is_dir() and not p.is_symlink()):
             continue
-        if rel not in record.files:
-            raise GkError(f"{dest}: holds {rel}, which no fetch verified; fetch into a new or empty folder")
+        if rel in record.files:
+            continue
+        if rel in wanted and p.is_file() and not p.is_symlink() and sha256_file(p) == wanted[rel]:
+            record.add(dest, rel, wanted[rel])
+            continue
+        raise GkError(f"{dest}: holds {rel}, which no fetch verified (its content is not the manifest's); "
+                      f"fetch into a new or empty folder")
 
 
 def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = None, quiet: bool = False,
@@ -137,19 +142,25 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
     if expect and not (len(expect) >= 12 and m["build_id"].startswith(expect.lower())):
         raise GkError(f"{store.uri}: holds build {m['build_id'][:16]}, not the expected {expect} "
                       f"(give at least 12 hex digits)")
+    if os.path.lexists(dest) and not dest.is_dir():
+        raise GkError(f"{dest}: exists and is not a folder; fetch into a new or empty folder")
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "dest": str(dest),
               "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0}
     if (dest / mf.NAME).exists() and (dest / mf.NAME).read_bytes() == man_bytes:
         report["already"] = True
         return report
-    _inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
+    inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
     record = _Record(dest, m["build_id"])
     _prepare(dest, m, record)
-    (dest / STATE_DIR / "fetch").mkdir(parents=True, exist_ok=True)
+    staging = dest / STATE_DIR / "fetch"
+    staging.mkdir(parents=True, exist_ok=True)
+    for p in staging.iterdir():  # an interrupted fetch's temporaries (only ours live here)
+        if p.name.endswith(".partial") and p.is_file() and not p.is_symlink():
+            p.unlink()
     todo = [f for f in idx["files"] if not record.intact(dest, f["path"], f["sha256"])]
 
     def fetch_one(f: dict) -> None:
-        target = _inside(dest, f["path"])
+        target = inside(dest, f["path"])
         tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
         where = f"{store.uri}/{f['blob']} ({f['path']})"
         try:
@@ -174,7 +185,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         run_each(fetch_one, todo, jobs or store.concurrency)
     write_bytes_atomic(dest / mf.NAME, man_bytes)
     (dest / RECORD).unlink(missing_ok=True)
-    (dest / STATE_DIR / "fetch").rmdir()
+    staging.rmdir()
     with contextlib.suppress(OSError):
         (dest / STATE_DIR).rmdir()  # empty unless something else keeps state there
     report["already"] = False

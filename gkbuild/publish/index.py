@@ -16,6 +16,7 @@ import json
 import re
 
 from ..errors import GkError
+from ..paths import confined
 from .codec import EXT
 
 NAME = "publish.json"
@@ -62,16 +63,6 @@ def dumps(index: dict) -> bytes:
     return (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
 
 
-def safe_path(path: object, where: str) -> str:
-    """A build-relative path that stays inside the folder it is written to: relative, no ``..``,
-    no empty or dot components, no backslashes, not the state folder or the manifest itself."""
-    parts = path.split("/") if isinstance(path, str) else []
-    if (not parts or path.startswith("/") or "\\" in path or "\0" in path
-            or any(p in ("", ".", "..") for p in parts) or parts[0] in (".gkbuild", "manifest.json")):
-        raise GkError(f"{where}: path {path!r} would escape the build folder (or is reserved); refused")
-    return path
-
-
 def parse(data: bytes, where: str) -> dict:
     """Read and check an index: the format and version, and every entry's shape and blob name."""
     try:
@@ -90,7 +81,7 @@ def parse(data: bytes, where: str) -> dict:
     for e in [idx["manifest"], *files]:
         _check_entry(e, where)
         if e is not idx["manifest"]:
-            safe_path(e["path"], where)
+            confined(e["path"], where)
             if e["path"] in seen:
                 raise GkError(f"{where}: {e['path']} is listed twice")
             seen.add(e["path"])

@@ -16,18 +16,29 @@ from pathlib import Path
 from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
 from ..errors import GkError
-from ..progress import bar
+from ..progress import bar, warn
 from . import codec, index
 from .parallel import run_each
 from .stores import open_store
 
 
-def _stored_entry(f: dict, stored: dict[str, int]) -> dict | None:
-    """The index entry for a file whose content is already in the store, if it is."""
+def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
+    """The index entry for a file whose content is already in the store, if it is, intact: a
+    directory store's blob is decoded and hashed first (a disk or a hand can change it; a rotten
+    blob is then stored again, which repairs it). The hub checks LFS content itself."""
     for enc in (codec.ZSTD, codec.RAW):
         name = index.blob_name(f["sha256"], enc)
         if name in stored:
-            return index.entry(f["path"], f["size"], f["sha256"], enc, stored[name])
+            e = index.entry(f["path"], f["size"], f["sha256"], enc, stored[name])
+            if not store.verifies_blobs:
+                return e
+            try:
+                with store.open_blob(name) as src, open(os.devnull, "wb") as sink:
+                    if codec.decode(src, sink, enc, f["size"], stored[name], name) == f["sha256"]:
+                        return e
+            except GkError:
+                pass
+            warn(f"{store.uri}/{name}: does not hold the content its name says; storing it again")
     return None
 
 
@@ -44,7 +55,8 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     files = [{**f, "src": build_dir / f["path"]} for f in m["files"]]
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "files": len(files),
               "uploaded_files": 0, "uploaded_bytes": 0, "raw_bytes": sum(f["size"] for f in files), "entries": []}
-    if prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys():
+    if (prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys()
+            and not store.verifies_blobs):
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
     for f in files:
@@ -59,16 +71,15 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     for f in [man, *files]:
         groups.setdefault(f["sha256"], []).append(f)
     entries, added, lock = {}, [], threading.Lock()
-    todo = []
-    for sha, same in groups.items():
-        e = _stored_entry(same[0], stored)
-        if e is None:
-            todo.append(same)
-        else:
-            entries.update({f["path"]: {**e, "path": f["path"]} for f in same})
+    todo = list(groups.values())
 
     def store_one(same: list[dict]) -> None:
         f = same[0]
+        e = _stored_entry(f, stored, store)
+        if e is not None:
+            with lock:
+                entries.update({g["path"]: {**e, "path": g["path"]} for g in same})
+            return
         enc, _ = codec.choose(f["src"], level)
         name = index.blob_name(f["sha256"], enc)
         with store.writer(name) as out, open(f["src"], "rb", buffering=0) as src:
@@ -86,6 +97,9 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
         run_each(store_one, todo, jobs or os.cpu_count() or 1, on_failure=store.discard)
     man_entry = {k: v for k, v in entries.pop(mf.NAME).items() if k != "path"}
     idx = index.make(m, man_entry, list(entries.values()))
+    if not added and prev is not None and index.dumps(idx) == prev_bytes:  # every blob checked, none missing
+        report.update(already=True, entries=prev["files"], where=store.uri)
+        return report
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
     report.update(already=False, entries=idx["files"],
                   where=store.commit(index.dumps(idx), added, message, prune))

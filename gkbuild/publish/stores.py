@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -47,7 +48,25 @@ def _regular(p: Path, what: str) -> None:
         raise GkError(f"{p}: {what} is a symlink or not a plain file; refused")
 
 
+MAX_INDEX = 256 << 20  # a publish index lists a few thousand files; a bigger one is not read
+
+
+_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(?:zst|raw)\.(\d+)\.partial$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DirStore:
+    verifies_blobs = True  # a folder can rot or be edited: reused blobs are re-hashed
+
     def __init__(self, root: Path):
         self.root = root
         self.uri = str(root)
@@ -58,7 +77,10 @@ class DirStore:
         if not os.path.lexists(p):
             return None
         _regular(p, "the publish index")
-        return p.read_bytes()
+        if p.stat().st_size > MAX_INDEX:
+            raise GkError(f"{p}: {p.stat().st_size} bytes; a publish index is never over {MAX_INDEX}; refused")
+        with open(p, "rb") as f:
+            return f.read(MAX_INDEX + 1)
 
     @contextlib.contextmanager
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
@@ -113,13 +135,21 @@ class DirStore:
         return str(self.root / NAME)
 
     def _prune(self, index: bytes) -> None:
+        """Blobs the index does not name, and temporaries of publishes that died (their process
+        is gone; a live publish's are left alone)."""
         keep = blobs(parse(index, NAME))
         for name in self.stored():
             if name not in keep:
                 (self.root / name).unlink(missing_ok=True)
+        for e in os.scandir(self.root / "blobs"):
+            m = _PARTIAL.match(e.name)
+            if m and e.is_file(follow_symlinks=False) and not _alive(int(m.group(1))):
+                os.unlink(e.path)
 
 
 class HubStore:
+    verifies_blobs = False  # LFS blobs are addressed and checked by their sha256 on the hub
+
     def __init__(self, ref: hub.HubRef, staging: Path | None, api=None, fs=None):
         self.ref, self.uri = ref, ref.uri
         self.staging = staging  # set for a publish: then the repo or branch may not exist yet
@@ -174,6 +204,9 @@ class HubStore:
     def read_index(self) -> bytes | None:
         if NAME not in self._tree_sizes():
             return None
+        if self._tree_sizes()[NAME] > MAX_INDEX:
+            raise GkError(f"{self.uri}/{NAME}: {self._tree_sizes()[NAME]} bytes; a publish index is never over "
+                          f"{MAX_INDEX}; refused")
         with self._errors(), self.fs.open(f"{self.ref.repo}/{NAME}", "rb", revision=self.commit_sha) as f:
             return f.read()
 

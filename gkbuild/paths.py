@@ -1,0 +1,98 @@
+"""Paths taken from data (state files, indexes, manifests) and folders gkbuild writes into.
+
+A path read from a file is hostile until proved otherwise: ``confined`` accepts only a plain
+relative path that stays inside its folder. ``owned`` decides whether gkbuild may write into a
+folder at all: an empty one, or one its state folder marks as a gkbuild build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+from pathlib import Path
+
+from .errors import GkError, shown
+
+STATE_DIR = ".gkbuild"
+MAX_PATH = 4096
+
+
+def confined(path: object, where: str) -> str:
+    """A build-relative path that stays inside the folder it names a file of: relative, no
+    ``..``, no empty or dot components, no backslashes, not the state folder or the manifest."""
+    parts = path.split("/") if isinstance(path, str) and len(path) <= MAX_PATH else []
+    if (not parts or path.startswith("/") or "\\" in path or "\0" in path
+            or any(p in ("", ".", "..") for p in parts) or parts[0] in (STATE_DIR, "manifest.json")):
+        raise GkError(f"{where}: path {shown(path)} would escape the build folder (or is reserved); refused")
+    return path
+
+
+def inside(root: Path, rel: str) -> Path:
+    """``root/rel`` for a confined ``rel``, refusing if a folder on the way is a symlink or not a
+    folder, or the file itself is a symlink (nothing is written or deleted through a link)."""
+    p = root
+    for part in rel.split("/")[:-1]:
+        p = p / part
+        if os.path.islink(p) or (p.exists() and not p.is_dir()):
+            raise GkError(f"{p}: is a symlink or not a folder; refusing to use {rel} through it")
+    target = root / rel
+    if os.path.islink(target):
+        raise GkError(f"{target}: is a symlink; refused")
+    return target
+
+
+# Temporaries gkbuild itself writes beside a final name; only these are ever cleaned up.
+TEMP = re.compile(r"^(\..+\.\d+\.partial(\.pt2)?|.+\.safetensors\.\d+\.\d+\.partial|\.tmp-[a-z]+-\d+)$")
+
+
+def our_temporaries(root: Path) -> list[Path]:
+    """Leftover temporaries of an interrupted gkbuild run under ``root`` (state folder excluded),
+    recognised by the exact names gkbuild gives them."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        if Path(dirpath) == root and STATE_DIR in dirs:
+            dirs.remove(STATE_DIR)
+        out += [Path(dirpath) / n for n in files + dirs if TEMP.match(n)]
+    return sorted(out)
+
+
+def marked(folder: Path) -> bool:
+    """Whether ``folder`` is a gkbuild build (its state folder says so)."""
+    state = folder / STATE_DIR
+    return not os.path.islink(state) and ((state / "build").is_file() or (state / "state.json").is_file())
+
+
+def claim(folder: Path) -> None:
+    """Make ``folder`` a gkbuild build folder, or refuse: it must be empty or already one.
+    Never a file, never the root, never a folder holding someone else's files."""
+    folder = Path(folder)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise GkError(f"{folder}: exists and is not a folder; give a new, empty or build folder as the output")
+    if folder.resolve() == Path(folder.resolve().anchor):
+        raise GkError(f"{folder}: refusing to build into the file system root")
+    if folder.exists() and not marked(folder):
+        first = next((e.name for e in sorted(os.scandir(folder), key=lambda e: e.name)), None)
+        if first is not None:
+            raise GkError(f"{folder}: not empty and not a gkbuild build (holds {first!r}); build into a new "
+                          f"or empty folder, or remove it")
+    (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    (folder / STATE_DIR / "build").write_text("a gkbuild build folder: gkbuild compile may rewrite it\n")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, wait: bool = True):
+    """An exclusive advisory lock held on ``path`` (created if needed) for the block's duration;
+    with ``wait`` False, None is yielded at once if another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield None
+            return
+        yield fd
+    finally:
+        os.close(fd)
