@@ -180,10 +180,7 @@ class _Build:
 
             self.progress.task("resolve", f"synthesize {self.spec.preset}", total_bytes(synth_config(self.spec)))
         self.root = materialize(self.spec, advance=self.progress.advancer("resolve"))
-        src, out = self.root.resolve(), self.out.resolve()
-        if out == src or src in out.parents or out in src.parents:
-            raise GkError(f"{self.out}: the output folder and the source checkpoint {self.root} overlap; "
-                          f"build into a folder outside the checkpoint")
+        refuse_overlap(self.out, self.root)
         self.report("resolve", synthesize, t0, self.spec.uri if self.spec.kind == "synth" else str(self.root))
 
     def validate(self) -> None:
@@ -369,12 +366,22 @@ class _Build:
         return info
 
 
+def refuse_overlap(out: Path, source: Path) -> None:
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise GkError(f"{out}: the output folder and the source checkpoint {source} overlap; build into a "
+                      f"folder outside the checkpoint")
+
+
 def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
                   quiet: bool = False, compile: bool = True, require_neff: bool = False) -> BuildResult:
     """Run every stage of a build into ``out`` (default: the recipe's output folder). ``compile``
     False stops after the layout metadata (shards, metadata and manifest only)."""
     t0 = time.perf_counter()
     out = Path(out) if out else recipe.output_dir()
+    spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
+    if spec.kind == "dir":
+        refuse_overlap(out, Path(spec.path))  # before the folder is even created
     claim(out)
     with _lock(out), Progress(quiet) as progress:
         b = _Build(recipe, out, jobs or os.cpu_count() or 1, force, progress)

@@ -1,0 +1,175 @@
+"""compile against careless operators and hostile state: ownership of the output folder, atomic
+rebuilds (killed at random moments), state files that lie, leftovers of killed runs."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gkbuild import recipe
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.check import problems
+from gkbuild.pipeline.pipeline import compile_build
+from gkbuild.runtime import Build
+from tests.conftest import RECIPES, run_cli
+
+TINY = str(RECIPES / "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hard") / "b"
+    compile_build(recipe.load(TINY), out=out, quiet=True, compile=False)
+    return out
+
+
+@pytest.fixture
+def build(built, tmp_path) -> Path:
+    dst = tmp_path / "b"
+    shutil.copytree(built, dst)
+    return dst
+
+
+def _compile(out, *extra):
+    return run_cli("compile", TINY, "--out", str(out), "--no-compile", "-q", "-j", "1", *extra)
+
+
+def test_a_folder_that_is_not_a_build_is_refused_and_left_untouched(tmp_path):
+    d = tmp_path / "mine"
+    files = {"notes.txt": b"n", "manifest.json": b"{}", "layout/kv.json": b"k", "weights/shared.safetensors": b"s",
+             "weights/thesis.partial": b"thesis"}
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    r = _compile(d)
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"gkbuild: error: {d}: not empty and not a gkbuild build (holds 'layout'); build "
+                                f"into a new or empty folder, or remove it")
+    assert {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()} == files
+
+
+def test_the_root_and_a_file_are_refused(tmp_path):
+    r = _compile("/")
+    assert r.returncode == 1 and "refusing to build into the file system root" in r.stderr
+    (tmp_path / "f").write_text("x")
+    r = _compile(tmp_path / "f")
+    assert r.returncode == 1 and r.stderr.strip().endswith("f: exists and is not a folder; give a new, empty or "
+                                                           "build folder as the output")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_output_inside_the_source_checkpoint_is_refused(tiny_copy, tmp_path):
+    (tmp_path / "r.yaml").write_text(f"source: {tiny_copy}\ntarget: cpu\nkv_cache: {{num_blocks: 8}}\n")
+    before = sorted(p.name for p in tiny_copy.iterdir())
+    r = run_cli("compile", str(tmp_path / "r.yaml"), "--out", str(tiny_copy / "out"), "-q", "--no-compile")
+    assert r.returncode == 1 and "the output folder and the source checkpoint" in r.stderr
+    assert sorted(p.name for p in tiny_copy.iterdir()) == before
+
+
+def test_a_state_file_naming_a_path_outside_is_set_aside_never_followed(build, tmp_path):
+    victim = build.parent / "victim.txt"
+    victim.write_text("keep me")
+    state = build / ".gkbuild" / "state.json"
+    s = json.loads(state.read_text())
+    s["shards"]["../victim.txt"] = {"key": "k", "size": 7, "sha256": "0" * 64}
+    state.write_text(json.dumps(s))
+    r = _compile(build)
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "keep me"
+    assert "would escape the build folder" in r.stderr and "state.json.corrupt-0" in r.stderr
+    assert (build / ".gkbuild" / "state.json.corrupt-0").exists()
+    assert problems(build) == []
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"shards": {"w": 3}}', b"\xff\xfe"])
+def test_a_corrupt_state_or_fingerprint_file_never_blocks_a_build(build, tmp_path, content):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "fingerprints.json").write_bytes(content)
+    (build / ".gkbuild" / "state.json").write_bytes(content)
+    r = run_cli("compile", TINY, "--out", str(build), "--no-compile", "-q",
+                env={"GKBUILD_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    assert "set aside as state.json.corrupt-0" in r.stderr and "set aside as fingerprints.json.corrupt-0" in r.stderr
+    assert (build / ".gkbuild" / "state.json.corrupt-0").read_bytes() == content
+    assert json.loads((cache / "fingerprints.json").read_text())  # rewritten, valid
+    assert problems(build) == []
+
+
+def test_stale_temporaries_of_a_killed_run_are_removed_and_check_passes(build):
+    stale = [build / "weights" / "shared.safetensors.4242.1.partial", build / "layout" / ".kv.json.4242.partial",
+             build / ".manifest.json.4242.partial", build / "compiled" / ".tmp-compile-4242" / "x"]
+    for p in stale:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("torn")
+    (build / "weights" / "thesis.partial").write_text("not ours")
+    compile_build(recipe.load(TINY), out=build, quiet=True, compile=False)
+    assert not any(p.exists() for p in stale) and not (build / "compiled" / ".tmp-compile-4242").exists()
+    assert (build / "weights" / "thesis.partial").read_text() == "not ours"  # not a name gkbuild writes
+    assert problems(build) == ["extra: weights/thesis.partial is not in the manifest"]
+
+
+def test_a_rebuild_removes_the_manifest_before_it_changes_a_byte(build, monkeypatch):
+    """The old manifest never stands over new shards: gone before the first shard is rewritten."""
+    from gkbuild.pipeline import pipeline
+
+    seen = []
+    real = pipeline._Build.shards
+
+    def spy(self):
+        seen.append((build / mf.NAME).exists())
+        real(self)
+        seen.append((build / mf.NAME).exists())
+
+    monkeypatch.setattr(pipeline._Build, "shards", spy)
+    r = recipe.load(TINY, ["kv_cache.dtype=fp8", "kv_cache.v_scale=2.0"])
+    compile_build(r, out=build, quiet=True, compile=False)
+    assert seen == [True, False]
+    assert problems(build) == []
+
+
+@pytest.mark.slow
+def test_an_in_place_rebuild_killed_at_random_moments_is_never_half_whole(build, tmp_path):
+    """kill -9 at 10 moments of a rebuild that changes kv_cache.v_scale (W_out's bytes): the folder
+    has either no manifest, or one every file matches; a rerun always finishes intact."""
+    rng = random.Random(11)
+    env = dict(os.environ, GKBUILD_SYNC_INTERVAL="0")
+    for i in range(10):
+        scale = f"{2.0 + i}"
+        cmd = [sys.executable, "-m", "gkbuild", "compile", TINY, "--out", str(build), "--no-compile", "-q", "-j", "1",
+               "--set", "kv_cache.dtype=fp8", "--set", f"kv_cache.v_scale={scale}"]
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.5, 4.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if (build / mf.NAME).exists():
+            assert problems(build) == [], f"kill {i}: a manifest over files that do not match it"
+            b = Build.open(build, verify="hash")
+            assert b.manifest["recipe"]["resolved"]["kv_cache"]["v_scale"] in (float(scale), float(scale) - 1, 1.0)
+            b.load_rank(0)
+            b.close()
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert problems(build) == []
+        assert json.loads((build / mf.NAME).read_text())["recipe"]["resolved"]["kv_cache"]["v_scale"] == float(scale)
+
+
+def test_concurrent_builds_on_a_fresh_cache_synthesize_once(tmp_path):
+    """Two builds of a synth:// source start together on an empty $GKBUILD_CACHE: one
+    synthesizes, the other waits and reuses it; neither deletes the other's checkpoint."""
+    env = {"GKBUILD_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", TINY, "--out", str(tmp_path / f"o{i}"),
+                               "--no-compile", "-q", "-j", "1"], env=dict(os.environ, **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    a, b = ((tmp_path / f"o{i}" / mf.NAME).read_bytes() for i in range(2))
+    assert a == b
+    assert len(list((tmp_path / "cache" / "synth").glob("tiny-*[!k]"))) == 1
