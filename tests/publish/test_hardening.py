@@ -1,0 +1,115 @@
+"""fetch resume after kills at any moment, hostile fetch records, rotten store blobs, interrupted
+publishes' temporaries, oversized indexes."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gkbuild.errors import GkError
+from gkbuild.pipeline import manifest as mf
+from gkbuild.pipeline.check import problems
+from gkbuild.publish import index
+from gkbuild.publish.fetch import fetch
+from gkbuild.publish.publish import publish
+from gkbuild.publish.stores import MAX_INDEX
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def store(built, tmp_path_factory):
+    s = tmp_path_factory.mktemp("store") / "s"
+    publish(built, str(s), quiet=True)
+    return s
+
+
+def test_a_fetch_record_naming_a_path_outside_is_set_aside_never_followed(store, tmp_path):
+    victim = tmp_path / "x"
+    victim.write_text("keep me")
+    dest = tmp_path / "a" / "b"
+    (dest / ".gkbuild").mkdir(parents=True)
+    (dest / ".gkbuild" / "fetch.json").write_text(json.dumps({"build_id": "0", "files": {"../../x": [7, 0, "0"]}}))
+    fetch(str(store), dest, quiet=True)
+    assert victim.read_text() == "keep me"
+    assert problems(dest) == []
+
+
+def test_a_file_in_place_but_unrecorded_is_reverified_not_refused(store, built, tmp_path):
+    """The kill landed between moving a file into place and recording it."""
+    dest = tmp_path / "d"
+    (dest / "weights").mkdir(parents=True)
+    (dest / "weights" / "expert-000.safetensors").write_bytes((built / "weights" / "expert-000.safetensors").read_bytes())
+    (dest / ".gkbuild" / "fetch").mkdir(parents=True)
+    (dest / ".gkbuild" / "fetch" / f".{'a' * 32}.1.partial").write_text("torn")  # a leftover temporary
+    rep = fetch(str(store), dest, quiet=True)
+    assert rep["reused_files"] == 1
+    assert problems(dest) == [] and not (dest / ".gkbuild").exists()
+
+
+def test_a_foreign_file_in_place_is_named_and_kept(store, tmp_path):
+    dest = tmp_path / "d"
+    (dest / "weights").mkdir(parents=True)
+    (dest / "weights" / "expert-000.safetensors").write_text("mine")
+    r = run_cli("fetch", str(store), "--to", str(dest), "-q")
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"gkbuild: error: {dest}: holds weights/expert-000.safetensors, which no fetch "
+                                f"verified (its content is not the manifest's); fetch into a new or empty folder")
+    assert (dest / "weights" / "expert-000.safetensors").read_text() == "mine"
+    (tmp_path / "f").write_text("x")
+    r = run_cli("fetch", str(store), "--to", str(tmp_path / "f"), "-q")
+    assert r.returncode == 1 and "f: exists and is not a folder" in r.stderr and (tmp_path / "f").read_text() == "x"
+
+
+@pytest.mark.slow
+def test_a_fetch_killed_at_random_moments_always_resumes(store, tmp_path):
+    rng = random.Random(7)
+    for i in range(10):
+        dest = tmp_path / f"d{i}"
+        cmd = [sys.executable, "-m", "gkbuild", "fetch", str(store), "--to", str(dest), "-q"]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 2.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if (dest / mf.NAME).exists():
+            assert problems(dest) == []
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"kill {i}: {r.stderr}"
+        assert problems(dest) == []
+
+
+def test_a_rotten_blob_is_not_trusted_and_republishing_repairs_it(built, tmp_path):
+    s = tmp_path / "s"
+    publish(built, str(s), quiet=True)
+    idx = json.loads((s / index.NAME).read_text())
+    e = next(f for f in idx["files"] if f["path"] == "weights/attn-tp0.safetensors")
+    blob = s / e["blob"]
+    blob.write_bytes(blob.read_bytes()[:-1] + bytes([blob.read_bytes()[-1] ^ 1]))
+    rep = publish(built, str(s), quiet=True)
+    assert rep["already"] is False and rep["uploaded_files"] == 1
+    fetch(str(s), tmp_path / "d", quiet=True)
+    assert problems(tmp_path / "d") == []
+
+
+def test_prune_removes_dead_publishes_temporaries(built, tmp_path):
+    s = tmp_path / "s"
+    publish(built, str(s), quiet=True)
+    dead = s / "blobs" / f".{'b' * 64}.zst.999999999.partial"
+    live = s / "blobs" / f".{'c' * 64}.zst.{os.getpid()}.partial"
+    dead.write_text("torn")
+    live.write_text("being written")
+    publish(built, str(s), prune=True, quiet=True)
+    assert not dead.exists() and live.exists()
+
+
+def test_an_oversized_index_is_not_read(store, tmp_path):
+    s = tmp_path / "s"
+    s.mkdir()
+    with open(s / index.NAME, "wb") as f:
+        f.truncate(MAX_INDEX + 1)  # sparse: no disk used
+    with pytest.raises(GkError, match=r"publish.json: 268435457 bytes; a publish index is never over"):
+        fetch(str(s), tmp_path / "d", quiet=True)
