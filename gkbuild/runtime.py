@@ -283,7 +283,7 @@ def _kv_checked(doc: dict, entry: dict, where: Path) -> KvLayout:
     for k in ints:
         v = doc.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 31:
-            raise GkError(f"{where}: {k} is {shown(v)}; expected a positive integer")
+            raise GkError(f"{where}: {k} is {shown(v)}; expected an integer in 1..{1 << 31}")
     if doc.get("dtype") not in KV_DTYPES or KV_DTYPES[doc["dtype"]] != doc["itemsize"] \
             or not isinstance(doc.get("packed"), bool):
         raise GkError(f"{where}: dtype {shown(doc.get('dtype'))} / itemsize / packed are not a KV format")
