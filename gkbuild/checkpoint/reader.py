@@ -139,6 +139,9 @@ class Checkpoint:
         return out
 
 
+MAX_INDEX = 64 << 20  # the 120b index is ~100 KB
+
+
 def check_finite_bf16(arr: np.ndarray, where: str) -> None:
     """A bf16 NaN or infinity (exponent bits all ones) means a corrupt or diverged checkpoint:
     refused where it is read, so a build never carries one into its shards."""
@@ -153,6 +156,8 @@ def _read_index(root: Path) -> dict[str, str] | None:
     p = root / INDEX
     if not p.exists():
         return None
+    if not p.is_file() or p.stat().st_size > MAX_INDEX:
+        raise GkError(f"{p}: not a safetensors index (a folder, or over {MAX_INDEX} bytes)")
     try:
         obj = json.loads(p.read_text())
         wm = obj["weight_map"]

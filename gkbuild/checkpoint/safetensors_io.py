@@ -298,7 +298,11 @@ class SafetensorsWriter:
             os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
-        os.replace(self.tmp, self.path)
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError:  # a full disk or a read-only folder: nothing half-written stays behind
+            self.tmp.unlink(missing_ok=True)
+            raise
         if self.durable:
             fsync_dir(self.path.parent)
         return self.path

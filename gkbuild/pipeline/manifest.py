@@ -35,7 +35,14 @@ def tool_versions() -> dict:
 
 
 def canonical(obj) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    """The manifest's bytes: sorted keys, strict JSON (a NaN or an infinity is refused)."""
+    from .state import dumps_strict
+
+    return dumps_strict(obj, indent=1)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
 
 
 def build_id(manifest: dict) -> str:
@@ -122,8 +129,8 @@ def parse(data: bytes, where: str) -> dict:
     """A manifest from its bytes: JSON, a schema version this gkbuild knows, the schema, and a
     ``build_id`` that is the hash of the rest (so no field was edited after the build)."""
     try:
-        m = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        m = json.loads(data, parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
         raise GkError(f"{where}: not valid JSON ({e})") from None
     v = m.get("schema_version") if isinstance(m, dict) else None
     if v != SCHEMA_VERSION:

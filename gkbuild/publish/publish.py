@@ -97,7 +97,7 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
         run_each(store_one, todo, jobs or os.cpu_count() or 1, on_failure=store.discard)
     man_entry = {k: v for k, v in entries.pop(mf.NAME).items() if k != "path"}
     idx = index.make(m, man_entry, list(entries.values()))
-    if not added and not prune and prev is not None and index.dumps(idx) == prev_bytes:  # all checked, none missing
+    if not added and prev is not None and index.dumps(idx) == prev_bytes:  # every blob checked, none missing
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"

@@ -64,3 +64,10 @@ def test_a_folder_source_is_recorded_as_written(tiny_ckpt, tmp_path):
     res = compile_build(recipe.load(tmp_path / "r.yaml"), out=tmp_path / "out", quiet=True, compile=False)
     assert res.manifest["source"]["uri"] == "ck"
     assert str(tmp_path) not in (tmp_path / "out" / "manifest.json").read_text()
+
+
+def test_an_index_that_is_a_folder_is_one_line(tiny_copy):
+    (tiny_copy / "model.safetensors.index.json").unlink()
+    (tiny_copy / "model.safetensors.index.json").mkdir()
+    with pytest.raises(GkError, match=r"model.safetensors.index.json: not a safetensors index \(a folder"):
+        Checkpoint.open(tiny_copy)
