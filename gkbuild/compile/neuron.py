@@ -131,8 +131,15 @@ def build(plan, sig: Signature, build_dir: Path, source: kernel_source.KernelSou
                     lines[-1] if lines else "(no output)")
         raise GkError(f"{sig.key}: {said}")
     cmd = invocation(sig, r, build_dir)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise GkError(f"neuronx-cc failed on {sig.key} (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
-    return Path(build_dir) / "compiled" / f"{sig.key}.neff"
+    final = Path(cmd[cmd.index("--output") + 1])
+    tmp = work / f"{sig.key}.neff.partial"  # the NEFF appears under its name only when complete
+    cmd[cmd.index("--output") + 1] = str(tmp)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise GkError(f"neuronx-cc failed on {sig.key} (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
