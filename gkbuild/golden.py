@@ -1,11 +1,12 @@
-"""Reference logits from transformers' GptOssForCausalLM (Mxfp4Config(dequantize=True), CPU, fp32,
-eager attention), teacher-forced over prompt + greedy continuation, saved as safetensors so CI can
-verify a build without transformers.
+"""Golden files: the streamed reference's logits (``gkbuild.reference``), teacher-forced over
+prompt + greedy continuation, saved as safetensors so CI can verify a build without transformers.
 
 A golden file holds ``token_ids`` [P, T] (prompt then continuation), ``logits`` [P, T, V] (the
 logits after each token: position t predicts token t+1), ``hidden`` [P, L, T, H] (the residual
-stream after every decoder layer), ``routing`` [P, L, T, k] (the experts the router chose) and, in
-its metadata, the prompt length, the checkpoint's content hash and the tool versions.
+stream after every decoder layer), ``routing`` [P, L, T, k] (the experts the router chose),
+``router_gap`` [P, L, T] (the reference's margin between its k-th and (k+1)-th router logits: how
+near a tie each choice is) and, in its metadata, the prompt length, the KV format the reference
+emulated (dtype and dequant scales), the checkpoint's content hash and the tool versions.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from pathlib import Path
 import torch
 
 from .errors import GkError
+from .reference import KvFormat
 
-FORMAT = "gkbuild-golden-1"
+FORMAT = "gkbuild-golden-2"
+TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap")
 
 
 def checkpoint_hash(files: list[dict]) -> str:
@@ -40,8 +43,13 @@ class Golden:
     logits: torch.Tensor  # [P, T, V]
     hidden: torch.Tensor  # [P, L, T, H]
     routing: torch.Tensor  # [P, L, T, k]
+    router_gap: torch.Tensor  # [P, L, T]
     prompt_len: int
     meta: dict
+
+    @property
+    def kv(self) -> KvFormat:
+        return KvFormat.from_meta(self.meta["kv"])
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -52,8 +60,7 @@ class Golden:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")
         meta = {"format": FORMAT, "prompt_len": str(self.prompt_len), "meta": json.dumps(self.meta, sort_keys=True)}
-        save_file({"token_ids": self.token_ids.contiguous(), "logits": self.logits.contiguous(),
-                   "hidden": self.hidden.contiguous(), "routing": self.routing.contiguous()}, str(tmp), metadata=meta)
+        save_file({k: getattr(self, k).contiguous() for k in TENSORS}, str(tmp), metadata=meta)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it owner-only; a golden is shared like any output
@@ -69,53 +76,46 @@ class Golden:
         read_header(Path(path))  # one clear line for a damaged file
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
+            if meta.get("format") == "gkbuild-golden-1":
+                raise GkError(f"{path}: a golden of an older gkbuild (no KV format, no router margins); "
+                              f"regenerate it with `gkbuild golden`")
             if meta.get("format") != FORMAT:
                 raise GkError(f"{path}: not a gkbuild golden file (format {meta.get('format')!r})")
-            t = {k: f.get_tensor(k) for k in ("token_ids", "logits", "hidden", "routing")}
-        return cls(t["token_ids"], t["logits"], t["hidden"], t["routing"], int(meta["prompt_len"]),
-                   json.loads(meta["meta"]))
+            missing = [k for k in TENSORS if k not in f.keys()]
+            if missing:
+                raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
+            t = {k: f.get_tensor(k) for k in TENSORS}
+        try:
+            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=json.loads(meta["meta"]))
+            g.kv  # noqa: B018 - validates the recorded KV format
+        except (KeyError, ValueError, TypeError) as e:
+            raise GkError(f"{path}: golden metadata is damaged ({e})") from None
+        P, T = g.token_ids.shape
+        if g.logits.shape[:2] != (P, T) or g.hidden.shape[0] != P or g.hidden.shape[2] != T \
+                or g.routing.shape[:3] != g.hidden.shape[:3] or g.router_gap.shape != g.hidden.shape[:3]:
+            raise GkError(f"{path}: golden tensors disagree in shape")
+        return g
 
 
-def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None) -> Golden:
-    """Run the reference model: greedy continuation of each prompt by ``steps`` tokens, then one
-    teacher-forced pass over the whole sequence for logits and per-layer hidden states."""
+def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None,
+            kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True) -> Golden:
+    """Run the streamed reference: greedy continuation of each prompt by ``steps`` tokens, every
+    position's logits, per-layer hidden states, experts and router margins, K/V stored as ``kv``."""
     try:
         import transformers
-        from transformers import GptOssForCausalLM, Mxfp4Config
     except ImportError:
         raise GkError("computing reference logits needs transformers (pip install transformers)") from None
-    if len({len(p) for p in prompts}) != 1:
-        raise GkError("all prompts must have the same length")
-    transformers.utils.logging.set_verbosity_error()  # the CPU dequantize notice is expected here
-    transformers.utils.logging.disable_progress_bar()
-    model = GptOssForCausalLM.from_pretrained(str(ckpt_dir), quantization_config=Mxfp4Config(dequantize=True),
-                                              dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.tensor(prompts, dtype=torch.int64)
-    with torch.no_grad():
-        for _ in range(steps):
-            nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, nxt], dim=1)
-        captured: list[torch.Tensor] = []
-        routes: list[torch.Tensor] = []
-        hooks = [layer.register_forward_hook(lambda mod, inp, out: captured.append(
-            (out[0] if isinstance(out, tuple) else out).detach().clone())) for layer in model.model.layers]
-        hooks += [layer.mlp.router.register_forward_hook(lambda mod, inp, out: routes.append(out[2].detach().clone()))
-                  for layer in model.model.layers]  # (logits, scores, indices)
-        try:
-            logits = model(ids).logits.to(torch.float32)
-        finally:
-            for h in hooks:
-                h.remove()
-    hidden = torch.stack(captured, dim=1).to(torch.float32)  # [P, L, T, H]
-    P, T = ids.shape
-    routing = torch.stack([r.view(P, T, -1) for r in routes], dim=1).to(torch.int64)  # [P, L, T, k]
+    from . import reference
+
+    out = reference.run(ckpt_dir, prompts, steps, kv, device, quiet)
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "steps": steps,
-            "model": model.config.model_type, "vocab_size": model.config.vocab_size,
+            "vocab_size": out["logits"].shape[-1], "kv": kv.to_meta(), "device": device,
             "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None}
-    return Golden(ids, logits, hidden, routing, len(prompts[0]), meta)
+    return Golden(**out, prompt_len=len(prompts[0]), meta=meta)
 
 
-def for_checkpoint(root: Path, prompts, steps: int) -> Golden:
+def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf16"), device: str = "cpu",
+                   quiet: bool = True) -> Golden:
     """Reference logits for a checkpoint folder, recording its content hash."""
     from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
@@ -130,4 +130,4 @@ def for_checkpoint(root: Path, prompts, steps: int) -> Golden:
         fps.remember(p, digest)
         files.append({"name": n, "sha256": digest})
     fps.save()
-    return compute(root, prompts, steps, files)
+    return compute(root, prompts, steps, files, kv, device, quiet)

@@ -53,6 +53,19 @@ def bar(description: str, total: int, quiet: bool = False) -> Iterator[Advance]:
         yield p.advancer("main")
 
 
+@contextlib.contextmanager
+def steps_bar(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int, str], None]]:
+    """One bar counting units of work (layers, steps); yields ``advance(n, where)``, ``where``
+    naming the unit in progress (e.g. "step 3/20, layer 7/36")."""
+    if quiet or not console.is_terminal:
+        yield lambda n, where="": None
+        return
+    with _Rich(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+               TextColumn("{task.fields[where]}"), TimeRemainingColumn(), console=console) as rich:
+        task = rich.add_task(description, total=total or None, where="")
+        yield lambda n, where="": rich.update(task, advance=n, where=where)
+
+
 def note(message: str, quiet: bool = False) -> None:
     if not quiet:
         console.print(message, highlight=False, soft_wrap=True)

@@ -209,6 +209,13 @@ class Build:
                 out[name] = t
         return out
 
+    def release_pages(self, prefix: str) -> None:
+        """Drop the mapped pages of the shard files under ``prefix`` from this process (they stay
+        in the page cache): an emulation of many ranks keeps its memory bounded this way."""
+        for rel, mapped in self._maps.items():
+            if rel.startswith(prefix):
+                mapped.release(0, mapped.header.size)
+
     def program(self, name: str):
         """A compiled program (``decode`` or ``tail``) of a cpu/cuda build, loaded only after its
         bytes, target and torch version are checked against the manifest (it is native code)."""

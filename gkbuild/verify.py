@@ -7,31 +7,69 @@ Comparison follows NxD Inference's logit validation:
 - an allowed divergence: our argmax may differ where the reference scores it within
   ``divergence_tol`` of its own max (a near tie).
 
-Defaults are tight for bf16 KV and looser for FP8 KV (e4m3 keeps 3 mantissa bits: each stored K/V
-element moves by up to ~6%). On failure the report names the first (sequence, step) that broke
-and the first layer whose hidden state departs from the reference there.
+The reference rounds K/V the way the build does (``gkbuild.reference.KvFormat``), so a golden
+whose KV format matches the build's is held to the tight tolerances at any KV dtype. A golden of
+another format is refused unless the caller asks for the loose tier (FP8 rounding in one and not
+the other moves each stored K/V element by up to ~6%).
+
+Routing is teacher-forced only at true ties: where the REFERENCE's own router margin between
+its k-th and (k+1)-th expert is at most ``TIE`` and our set differs, the reference's set is taken
+(counted; more than ``MAX_FORCED`` of the token-layers fails the verify). Anywhere else a
+different set is kept and recorded as a departure of that layer. On failure the report names the
+first layer whose hidden state or routing departs from the reference, at any position: a fault in
+layer l leaves every layer below it exact, so the lowest departing layer is the culprit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 import torch
 
 from .errors import GkError
+from .progress import steps_bar
+from .reference import KvFormat
 
 # {top-k or None (all): (atol, rtol)}
 TOLERANCES = {
-    "bf16": {5: (0.02, 0.01), 50: (0.03, 0.02), 1000: (0.05, 0.03), None: (0.08, 0.05)},
-    "fp8": {5: (0.25, 0.05), 50: (0.3, 0.08), 1000: (0.4, 0.1), None: (0.6, 0.15)},
+    "tight": {5: (0.02, 0.01), 50: (0.03, 0.02), 1000: (0.05, 0.03), None: (0.08, 0.05)},
+    "loose": {5: (0.25, 0.05), 50: (0.3, 0.08), 1000: (0.4, 0.1), None: (0.6, 0.15)},
 }
-DIVERGENCE_TOL = {"bf16": 0.05, "fp8": 0.3}
-ROUTING_TOL = {"bf16": 0.02, "fp8": 0.2}  # router logits within this of the k-th choice: a near tie
-# relative error of a layer's hidden state that counts as departed (passing tiny builds stay under
-# ~0.003 with bf16 KV and ~0.03 with FP8 KV)
-LAYER_TOL = {"bf16": 0.02, "fp8": 0.1}
+DIVERGENCE_TOL = {"tight": 0.05, "loose": 0.3}
+TIE = 0.01  # the reference's router margin at or below which its choice is a tie
+MAX_FORCED = 0.02  # share of token-layers the routing guide may force
+# relative error of a layer's hidden state that counts as departed
+LAYER_TOL = {"tight": 0.01, "loose": 0.1}
+
+
+def build_kv(m: dict) -> KvFormat:
+    """The KV format a build's kernel stores (dtype and dequant scales), from its manifest."""
+    kv = m["layout"]["kv"]
+    if kv["dtype"] == "bf16":
+        return KvFormat("bf16")
+    rk = m["recipe"]["resolved"]["kv_cache"]
+    return KvFormat(kv["dtype"], float(rk["k_scale"]), float(rk["v_scale"]))
+
+
+def tier(golden: KvFormat, build: KvFormat, loose: bool = False) -> str:
+    """``tight`` when the golden emulates the build's KV cache (an exact-cache golden stands in for
+    bf16: its rounding is below the tight tolerances); otherwise ``loose`` if allowed."""
+    same = golden.dtype == build.dtype and all(
+        math.isclose(a, b, rel_tol=1e-6) for a, b in ((golden.k_scale, build.k_scale), (golden.v_scale, build.v_scale)))
+    if same or (build.dtype == "bf16" and golden.dtype in ("fp32", "bf16")):
+        return "tight"
+    if loose:
+        return "loose"
+    raise GkError(f"the golden emulates a {_name(golden)} KV cache and the build stores {_name(build)}; "
+                  f"make a matching golden (gkbuild golden --kv {build.dtype}"
+                  + (f" --k-scale {build.k_scale} --v-scale {build.v_scale}" if build.fp8 else "")
+                  + "), or pass --loose for the loose tolerances")
+
+
+def _name(f: KvFormat) -> str:
+    return f.dtype + (f" (k_scale {f.k_scale}, v_scale {f.v_scale})" if f.fp8 else "")
 
 
 @dataclass
@@ -49,20 +87,28 @@ class StepReport:
 class Report:
     steps: list[StepReport]
     ok: bool
-    kv: str
+    kv: str  # the tolerance tier: tight | loose
     first_failure: tuple[int, int] | None = None  # (sequence, step)
     first_bad_layer: int | None = None
-    layer_errors: list[float] = field(default_factory=list)  # at the position the departure was found
+    layer_errors: list[float] = field(default_factory=list)  # worst relative error per layer, all positions
+    layer_routing: list[int] = field(default_factory=list)  # token routings departing per layer
     max_abs_err: float = 0.0
     min_cosine: float = 1.0
-    routing_forced: int = 0  # token-layers whose near-tie routing took the reference's experts
+    routing_forced: int = 0  # token-layers whose true-tie routing took the reference's experts
     routing_total: int = 0
+    golden_kv: str = ""
+    build_kv: str = ""
+
+    @property
+    def too_many_forced(self) -> bool:
+        return self.routing_forced > MAX_FORCED * self.routing_total
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "kv": self.kv, "max_abs_err": self.max_abs_err, "min_cosine": self.min_cosine,
+        return {"ok": self.ok, "tolerances": self.kv, "golden_kv": self.golden_kv, "build_kv": self.build_kv,
+                "max_abs_err": self.max_abs_err, "min_cosine": self.min_cosine,
                 "routing_forced": self.routing_forced, "routing_total": self.routing_total,
                 "first_failure": self.first_failure, "first_bad_layer": self.first_bad_layer,
-                "layer_errors": self.layer_errors,
+                "layer_errors": self.layer_errors, "layer_routing_departures": self.layer_routing,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "ok": s.ok} for s in self.steps]}
@@ -88,7 +134,7 @@ def compare_position(ours: torch.Tensor, ref: torch.Tensor, tol: dict, div_tol: 
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 0) -> Report:
-    """logits, ref: [P, T, V]; positions before ``steps_from`` are not judged."""
+    """logits, ref: [P, T, V]; positions before ``steps_from`` are not judged; ``kv``: the tier."""
     tol, div = TOLERANCES[kv], DIVERGENCE_TOL[kv]
     P, T, _ = ref.shape
     reports, first = [], None
@@ -111,24 +157,21 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 
     return rep
 
 
-def attribute(ours: list[list[list[torch.Tensor]]], ref: torch.Tensor, until: int, kv: str):
-    """The first layer to depart from the reference: at the earliest position (up to ``until``)
-    where any sequence's hidden state departs, the lowest such layer. ours[p][t][l] is [H];
-    ref is [P, L, T, H]. Returns (layer or None, that position's worst error per layer)."""
-    for t in range(until + 1):
-        errs = [max(float((ours[p][t][l] - ref[p, l, t]).norm() / ref[p, l, t].norm().clamp_min(1e-12))
-                    for p in range(len(ours))) for l in range(ref.shape[1])]
-        bad = next((i for i, e in enumerate(errs) if e > LAYER_TOL[kv]), None)
-        if bad is not None:
-            return bad, errs
-    return None, errs
+def attribute(errors: torch.Tensor, departed: torch.Tensor, kv: str) -> int | None:
+    """The first layer to depart from the reference: the lowest layer whose hidden state (relative
+    error, ``errors`` [P, T, L]) or routing (``departed`` [P, T, L] bool) departs at any position."""
+    bad = (errors > LAYER_TOL[kv]).any(1).any(0) | departed.any(1).any(0)
+    return int(bad.nonzero()[0]) if bad.any() else None
 
 
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
-        engine: str = "twin") -> Report:
-    """Verify a build against a golden (computed from the build's source when none is given),
-    running it through the torch twins, (``engine="compiled"``) its compiled .pt2 programs, or
-    (``engine="neuron"``, on a Trainium host) its NEFFs on the NeuronCores."""
+        engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True) -> Report:
+    """Verify a build against a golden (computed from the build's source, in the build's KV format,
+    when none is given), running it through the torch twins, (``engine="compiled"``) its compiled
+    .pt2 programs, or (``engine="neuron"``, on a Trainium host) its NEFFs on the NeuronCores; the
+    twins' per-layer hidden states are compared as each step produces them. ``other_checkpoint``
+    accepts a golden made from another checkpoint than the build's source (to hold a build of an
+    edited checkpoint to the original model)."""
     from .golden import Golden, checkpoint_hash, default_prompts, for_checkpoint
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
@@ -141,6 +184,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         from .compile import neuron_run
 
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
+    fmt = build_kv(m)
     if golden is None:
         from .checkpoint.source import materialize, parse
 
@@ -148,36 +192,54 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
         spec = parse(src["uri"], base=Path.cwd())
         n = prompts or min(4, batch)
-        g = for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps)
+        g = for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
+                           quiet=quiet)
     else:
         g = golden if isinstance(golden, Golden) else Golden.load(golden)
         want = checkpoint_hash(m["source"]["files"])
-        if g.meta.get("checkpoint_sha256") not in (None, want):
-            raise GkError(f"{golden}: the golden was made from another checkpoint than this build's source")
+        if not other_checkpoint and g.meta.get("checkpoint_sha256") not in (None, want):
+            raise GkError(f"{golden}: the golden was made from another checkpoint than this build's source "
+                          f"(--allow-other-checkpoint to compare anyway)")
+    kv = tier(g.kv, fmt, loose)
     P, T = g.token_ids.shape
-    if T > 0 and g.logits.shape[-1] != m["model"]["vocab_size"]:
-        raise GkError("the golden's vocabulary does not match the build's model")
+    L = g.hidden.shape[1]
+    if g.logits.shape[-1] != m["model"]["vocab_size"] or L != m["model"]["num_hidden_layers"] \
+            or g.hidden.shape[-1] != m["model"]["hidden_size"]:
+        raise GkError("the golden's model (vocabulary, layers or hidden size) does not match the build's")
+    if P > batch:
+        raise GkError(f"the golden has {P} sequences; the build decodes batches of at most {batch}")
     rows = torch.arange(batch) % P  # every row of the batch runs one of the golden's sequences
-    kv = "fp8" if m["layout"]["kv"]["dtype"].startswith("fp8") else "bf16"
     if engine == "neuron":
         return _on_neuron(build, g, batch, rows, kv)
     session = Session(build, batch, max_len=T, engine=engine)
     ours = torch.empty(P, T, g.logits.shape[-1])
-    hid = [[None] * T for _ in range(P)]
+    errors = torch.zeros(P, T, L)
+    departed = torch.zeros(P, T, L, dtype=torch.bool)
     forced = 0
-    for t in range(T):
-        guide = RoutingGuide(g.routing[rows, :, t].transpose(0, 1), ROUTING_TOL[kv])
-        res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide)
-        forced += guide.forced
-        for b in range(batch):  # every replica of a sequence must agree; keep the worst
-            p = int(rows[b])
-            if hid[p][t] is None or _worse(res.logits[b], ours[p, t], g.logits[p, t]):
-                ours[p, t] = res.logits[b]
-                hid[p][t] = [h[b] for h in res.hiddens]
+    with steps_bar("verify", T, quiet) as advance:
+        for t in range(T):
+            guide = RoutingGuide(g.routing[rows, :, t].transpose(0, 1), g.router_gap[rows, :, t].T, TIE)
+            res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide)
+            forced += guide.forced
+            ref_h = g.hidden[rows, :, t]  # [B, L, H]
+            err = torch.stack([(h - ref_h[:, i]).norm(dim=-1) / ref_h[:, i].norm(dim=-1).clamp_min(1e-12)
+                               for i, h in enumerate(res.hiddens)], dim=1)  # [B, L]
+            for b in range(batch):  # every replica of a sequence must agree; keep the worst
+                p = int(rows[b])
+                if b < P or _worse(res.logits[b], ours[p, t], g.logits[p, t]):
+                    ours[p, t] = res.logits[b]
+                errors[p, t] = torch.maximum(errors[p, t], err[b]) if b >= P else err[b]
+                departed[p, t] |= guide.departed[:, b]
+            advance(1, f"position {t + 1}/{T}")
+    build.close()
     rep = compare(ours, g.logits, kv)
-    rep.routing_forced, rep.routing_total = forced, T * batch * g.routing.shape[1]
-    if rep.first_failure:
-        rep.first_bad_layer, rep.layer_errors = attribute(hid, g.hidden, rep.first_failure[1], kv)
+    rep.routing_forced, rep.routing_total = forced, T * batch * L
+    rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
+    rep.layer_errors = errors.amax(dim=(0, 1)).tolist()
+    rep.layer_routing = departed.sum(dim=(0, 1)).tolist()
+    rep.ok = rep.ok and not rep.too_many_forced
+    if not rep.ok:
+        rep.first_bad_layer = attribute(errors, departed, kv)
     return rep
 
 

@@ -50,6 +50,18 @@ def _private_cache(tmp_path_factory):
         os.environ["GKBUILD_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Many small matmuls (the references, the twins) on a shared 2-core machine: one intra-op
+    thread is several times faster than two contending with other processes."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real console entry point in a subprocess (exit codes and stderr as a user sees them)."""
     import os

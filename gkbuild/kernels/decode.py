@@ -152,14 +152,21 @@ def _store(x: torch.Tensor, dtype: torch.dtype, fp8_max: float | None) -> torch.
 
 @dataclass
 class RoutingGuide:
-    """Teacher forcing for the router (verification only): where this model's top-k set differs
-    from the reference's only by a near tie (every reference expert scores within ``tol`` of our
-    k-th choice), take the reference's set, so rounding in one step cannot send a token to another
-    expert and derail the rest of its sequence. A set that differs by more is kept: that is a bug."""
+    """Teacher forcing for the router (verification only), at true ties alone: where the
+    reference's own margin between its k-th and (k+1)-th router logits is at most ``tol`` and our
+    top-k set differs, take the reference's set (``forced`` counts them). Judged on the
+    reference's logits, never ours: a set that differs anywhere else is kept, and recorded in
+    ``departed`` [L, B] as a departure of that layer."""
 
     experts: torch.Tensor  # [L, B, k] the reference's choices for every token of the step
+    gap: torch.Tensor  # [L, B] the reference's router margin for those tokens
     tol: float
     forced: int = 0
+    departed: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.departed is None:
+            self.departed = torch.zeros(self.gap.shape, dtype=torch.bool)
 
 
 def route(logits: torch.Tensor, k: int, guide: RoutingGuide | None = None, layer: int = 0):
@@ -168,8 +175,9 @@ def route(logits: torch.Tensor, k: int, guide: RoutingGuide | None = None, layer
     if guide is not None:
         ref = guide.experts[layer]
         differs = (idx.sort(-1).values != ref.sort(-1).values).any(-1)
-        near = (logits.gather(1, ref) >= top[:, -1:] - guide.tol).all(-1)
-        take = differs & near
+        tie = guide.gap[layer] <= guide.tol
+        take = differs & tie
+        guide.departed[layer] |= differs & ~tie
         if take.any():
             guide.forced += int(take.sum())
             idx = torch.where(take[:, None], ref, idx)
@@ -177,24 +185,41 @@ def route(logits: torch.Tensor, k: int, guide: RoutingGuide | None = None, layer
     return idx, torch.softmax(top, dim=-1)
 
 
-def expert_weights(t: dict, i: int, sc: Scalars, memo: dict | None = None):
-    """Layer i's local experts as dense float32, stacked on a leading expert axis: gate/up
-    [E_L, 2, in, Ip] (+ bias [E_L, 2, Ip]) and down [E_L, Ip, Hp] (+ bias [E_L, Hp]). MX tiles take
-    their input in padded-HF hidden order (lane x holds h = sigma(x)); the bf16 layout takes lanes.
-    ``memo`` keeps the dequantized weights between eager steps."""
-    if memo is not None and i in memo:
-        return memo[i]
+class ExpertCache:
+    """Dequantized experts kept between eager steps, least recently used first out, within a
+    byte budget: a tiny model keeps all of them, a 120b-wide one a few (each is ~113 MB)."""
+
+    def __init__(self, budget: int = 1 << 30):
+        self.budget, self.used = budget, 0
+        self._items: dict = {}
+
+    def get(self, key, make):
+        if key in self._items:
+            self._items[key] = self._items.pop(key)  # most recent last
+            return self._items[key]
+        w = make()
+        size = sum(x.nbytes for x in w)
+        while self._items and self.used + size > self.budget:
+            old = self._items.pop(next(iter(self._items)))
+            self.used -= sum(x.nbytes for x in old)
+        if size <= self.budget:
+            self._items[key] = w
+            self.used += size
+        return w
+
+
+def expert_weights(t: dict, i: int, sc: Scalars, sel: slice = slice(None)):
+    """Layer i's local experts ``sel`` as dense float32, stacked on a leading expert axis: gate/up
+    [E, 2, in, Ip] (+ bias [E, 2, Ip]) and down [E, Ip, Hp] (+ bias [E, Hp]). MX tiles take their
+    input in padded-HF hidden order (lane x holds h = sigma(x)); the bf16 layout takes lanes."""
     if sc.experts == "mxfp4":
-        w = (mx.gate_up(t["expert_gate_up_weights"][i], t["expert_gate_up_weights_scale"][i]),
-             mx.gate_up_bias(t["expert_gate_up_bias"][i]),
-             mx.down(t["expert_down_weights"][i], t["expert_down_weights_scale"][i]))
+        w = (mx.gate_up(t["expert_gate_up_weights"][i, sel], t["expert_gate_up_weights_scale"][i, sel]),
+             mx.gate_up_bias(t["expert_gate_up_bias"][i, sel]),
+             mx.down(t["expert_down_weights"][i, sel], t["expert_down_weights_scale"][i, sel]))
     else:
-        w = (t["expert_gate_up_weights"][i].permute(0, 2, 1, 3).float(), t["expert_gate_up_bias"][i].float(),
-             t["expert_down_weights"][i].float())
-    w = w + (t["expert_down_bias"][i].float(),)
-    if memo is not None:
-        memo[i] = w
-    return w
+        w = (t["expert_gate_up_weights"][i, sel].permute(0, 2, 1, 3).float(), t["expert_gate_up_bias"][i, sel].float(),
+             t["expert_down_weights"][i, sel].float())
+    return w + (t["expert_down_bias"][i, sel].float(),)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, sc: Scalars) -> torch.Tensor:
@@ -204,7 +229,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, sc: Scalars) -> torch.Tensor:
 
 
 def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide | None = None,
-            memo: dict | None = None) -> torch.Tensor:
+            memo: ExpertCache | None = None) -> torch.Tensor:
     """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen)."""
     logits = x @ t["router_weights"][i].float() + t["router_bias"][i].float()
     idx, weights = route(logits, sc.top_k, guide if sc.ep_rank == 0 else _copy(guide), i)
@@ -212,34 +237,37 @@ def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide |
     aff = torch.zeros_like(logits).scatter(1, idx, weights)[:, lo:lo + sc.experts_per_rank]  # [B, E_L]
     if sc.experts == "mxfp4":
         x = x[:, torch.from_numpy(hidden.sigma(sc.hidden_padded)).argsort()]
-    gu, gu_b, down, down_b = expert_weights(t, i, sc, memo)
     if torch.compiler.is_compiling():  # traced: the kernel's all-expert form, every token, every expert
+        gu, gu_b, down, down_b = expert_weights(t, i, sc)
         h = _swiglu(torch.einsum("bh,ehj->ebj", x, gu[:, 0]) + gu_b[:, 0, None],
                     torch.einsum("bh,ehj->ebj", x, gu[:, 1]) + gu_b[:, 1, None], sc)
         y = torch.einsum("ebj,ejx->ebx", h, down) + down_b[:, None]
         return (aff.T[..., None] * y).sum(0)
-    # eager: each expert over its routed rows only (the others have affinity 0: same numbers)
-    out = torch.zeros(x.shape[0], down.shape[-1])
+    # eager: only the experts with routed rows are dequantized, each over those rows (the others
+    # have affinity 0: same numbers)
+    out = torch.zeros(x.shape[0], sc.hidden_padded)
     for e in range(sc.experts_per_rank):
         rows = torch.nonzero(aff[:, e]).flatten()
         if len(rows):
-            h = _swiglu(x[rows] @ gu[e, 0] + gu_b[e, 0], x[rows] @ gu[e, 1] + gu_b[e, 1], sc)
-            out[rows] += aff[rows, e, None] * (h @ down[e] + down_b[e])
+            make = lambda: expert_weights(t, i, sc, slice(e, e + 1))  # noqa: E731
+            gu, gu_b, down, down_b = (w[0] for w in (memo.get((sc.ep_rank, i, e), make) if memo is not None else make()))
+            h = _swiglu(x[rows] @ gu[0] + gu_b[0], x[rows] @ gu[1] + gu_b[1], sc)
+            out[rows] += aff[rows, e, None] * (h @ down + down_b)
     return out
 
 
 def _copy(guide: RoutingGuide | None) -> RoutingGuide | None:
     """Every EP rank routes every token the same way; only rank 0 counts the forced choices."""
-    return None if guide is None else RoutingGuide(guide.experts, guide.tol)
+    return None if guide is None else RoutingGuide(guide.experts, guide.gap, guide.tol)
 
 
 def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens: list | None = None,
-         guide: RoutingGuide | None = None, memo: dict | None = None) -> torch.Tensor:
+         guide: RoutingGuide | None = None, memo: ExpertCache | None = None) -> torch.Tensor:
     """One decode step of this rank: x [T_shard, Hp] -> [T_shard, Hp].
 
     ``t``: the rank's tensors by argument name; ``kv``: its KV cache (``kv.k(layer)`` that layer's
     entry in the kernel's K view, ``kv.v(layer)``; either form), updated in place; ``hiddens`` collects x after every layer; ``guide``
-    steers near-tie routing to the reference (verification); ``memo`` caches dequantized experts.
+    steers true-tie routing to the reference (verification); ``memo`` caches dequantized experts.
     """
     f = lambda name, i: t[name][i].float()  # noqa: E731
     for i in range(sc.num_layers):

@@ -83,7 +83,11 @@ class Controls:
         self.nbf, self.num_swa = m["scalars"]["full_table_blocks"], m["scalars"]["swa_table_blocks"]
         if max_len > self.nbf * self.block:
             raise GkError(f"{max_len} positions exceed the build's decode.max_context of {self.nbf * self.block}")
-        self.blocks = [_Blocks(self.rows, kv.num_blocks, self.block, self.window, kv.form) for _ in range(self.dp)]
+        # only the blocks this run can reach: a row holds a full-attention block per block of
+        # positions and at most the window's blocks (+2 at its edges) of sliding ones
+        span = -(-max_len // self.block)
+        self.num_blocks = min(kv.num_blocks, self.rows * (span + min(span, -(-self.window // self.block) + 2)))
+        self.blocks = [_Blocks(self.rows, self.num_blocks, self.block, self.window, kv.form) for _ in range(self.dp)]
         self.pos = 0
 
     def next(self) -> list[decode.Control]:
@@ -139,9 +143,10 @@ class Session:
         self.block = kv.block_size
         self.steps = Controls(m, kv, batch, max_len)
         hp = m["scalars"]["hidden_padded"]
+        self.build = build
         self.tensors = [build.load_rank(r) for r in range(self.world)]
-        self.memo: list[dict] = [{} for _ in range(self.world)]  # dequantized experts, per rank
-        self.kv = [build.allocate_kv() for _ in range(self.world)]
+        self.memo = decode.ExpertCache()  # dequantized experts, every rank's
+        self.kv = [build.allocate_kv(self.steps.num_blocks) for _ in range(self.world)]
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
         self.hops = len(t["hops"])
         meshes = t["meshes"]
@@ -175,7 +180,7 @@ class Session:
             mine = tokens[r * self.t_shard:(r + 1) * self.t_shard]
             x = t["embed_tokens"][mine].to(torch.float32)
             hid = [] if collect_hiddens else None
-            x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo[r])
+            x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo)
             everything = comm.all_gather(x, "ep")
             out = tail.step(everything, t["gamma"], t["lm_head_weight_t"], comm, self.hops, self.k, sc.eps,
                             sc.hidden_actual, params=greedy, emit_logits=True, batch_groups=self.groups)
@@ -187,6 +192,7 @@ class Session:
             results = [rank_fn(0, Single())]
         else:
             results = self.emulator.run(rank_fn)
+        self.build.release_pages("weights/expert-")  # the experts read this step, dequantized and done
         logits = torch.cat([results[v][0].logits for v in range(self.vtp)], dim=1)
         sampled = torch.empty(self.batch, dtype=torch.int64)
         for r in range(self.vtp):

@@ -1,0 +1,71 @@
+"""The negative-test catalogue: every model-changing fault in tests/faults.py, applied to what a
+build is made from, fails verify against the ORIGINAL checkpoint's golden at bf16 and at FP8 KV,
+and the report names the fault's layer. The faithful build passes the same verify."""
+
+import pytest
+
+from gkbuild import recipe, verify
+from gkbuild.golden import default_prompts, for_checkpoint
+from gkbuild.model import preset
+from gkbuild.pipeline.pipeline import compile_build
+from gkbuild.reference import KvFormat
+from tests import faults
+from tests.conftest import RECIPES
+
+KV = {"bf16": ([], KvFormat("bf16")),
+      "fp8": (["kv_cache.dtype=fp8", "kv_cache.packed=true"], KvFormat("fp8_e4m3fn"))}
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS = 6  # 4 prompt + 6 decode positions: enough for every fault to show
+
+
+@pytest.fixture(scope="module")
+def goldens(tiny_ckpt):
+    prompts = default_prompts(preset("tiny").V, 4, 4)
+    return {kv: for_checkpoint(tiny_ckpt, prompts, STEPS, fmt) for kv, (_, fmt) in KV.items()}
+
+
+@pytest.fixture(scope="module")
+def catalogue(goldens):
+    return {f.name: f for f in faults.catalogue(preset("tiny"), faults.kth_expert(goldens["bf16"]))}
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_ckpt, catalogue, tmp_path_factory):
+    """One edited checkpoint copy per checkpoint fault, shared by both KV formats."""
+    root = tmp_path_factory.mktemp("faulty")
+    return {name: (faults.edit_copy(tiny_ckpt, root / str(i), f.edit) if f.edit else tiny_ckpt)
+            for i, (name, f) in enumerate(catalogue.items())}
+
+
+def _build(tmp_path, source, kv, fault=None):
+    r = recipe.load(RECIPES / "tiny-cpu.yaml", [f"source={source}", *KV[kv][0]])
+    with faults.patched(fault) if fault else _nothing():
+        compile_build(r, out=tmp_path / "b", quiet=True, compile=False)
+    return tmp_path / "b"
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_faithful_build_passes_tightly(tmp_path, tiny_ckpt, goldens, kv):
+    rep = verify.run(_build(tmp_path, tiny_ckpt, kv), golden=goldens[kv])
+    assert rep.ok and rep.kv == "tight", rep.to_dict()
+    assert rep.max_abs_err <= 0.05 and rep.routing_forced <= 0.02 * rep.routing_total
+    assert max(rep.layer_errors) < verify.LAYER_TOL["tight"] / 5 and not any(rep.layer_routing)
+
+
+CASES = [f.name for f in faults.catalogue(preset("tiny"), 0)]
+
+
+@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.split(" (")[0] for c in CASES])
+def test_fault_fails_with_its_layer_named(tmp_path, goldens, catalogue, sources, kv, index):
+    fault = list(catalogue.values())[index]
+    out = _build(tmp_path, sources[fault.name], kv, fault)
+    rep = verify.run(out, golden=goldens[kv], other_checkpoint=True)
+    assert not rep.ok, (fault.name, rep.to_dict())
+    assert rep.first_bad_layer == fault.layer, (fault.name, rep.layer_errors, rep.layer_routing)
