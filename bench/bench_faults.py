@@ -80,13 +80,14 @@ def main() -> None:
         "o_proj of layer 1 x (1 + delta)": lambda dl: {p1 + "self_attn.o_proj.weight": faults._f32(lambda a: a * (1 + dl))},
     }
     for name, make in families.items():
-        for dl in (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5):
+        for dl in (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5):
             f = faults.Fault(name, 1, make(dl))
             n[0] += 1
             source = faults.edit_copy(src, tmp / f"ck{n[0]}", f.edit)
             res = [caught(f, source, kv) for kv in kvs]
             eff = [effect(f.edit, kv) for kv in kvs]
-            marks = [("yes, layer " + str(r.first_bad_layer)) if not r.ok else "no" for r in res]
+            marks = [(f"yes, layer {r.first_bad_layer}" + (" (hidden/routing only)" if r.first_failure is None else ""))
+                     if not r.ok else "no" for r in res]
             print(f"| {name} | {dl} | {eff[0]:.4f} / {eff[1]:.4f} | {marks[0]} | {marks[1]} |", flush=True)
     import shutil
 

@@ -31,12 +31,14 @@ def main() -> None:
     os.environ["GKBUILD_CACHE"] = str(d / "cache")
     print("| build | ranks emulated | KV | verify, golden computed | verify, golden file | peak RSS |")
     print("|---|---|---|---|---|---|")
-    cases = [("tiny-cpu.yaml", [], "synth://tiny?layers=2&seed=0"),
-             ("tiny-cpu.yaml", ["kv_cache.dtype=fp8", "kv_cache.packed=true"], "synth://tiny?layers=2&seed=0"),
+    # (recipe, overrides, source, the KV format the build stores: the golden emulates it)
+    cases = [("tiny-cpu.yaml", [], "synth://tiny?layers=2&seed=0", "bf16"),
+             ("tiny-cpu.yaml", ["kv_cache.dtype=fp8", "kv_cache.packed=true"], "synth://tiny?layers=2&seed=0",
+              "fp8_e4m3fn"),
              ("tiny-topology-trn2.yaml", ["kv_cache.dtype=bf16", "kv_cache.packed=false"],
-              "synth://tiny-topology?layers=2&seed=0"),
-             ("tiny-topology-trn2.yaml", [], "synth://tiny-topology?layers=2&seed=0")]
-    for recipe, sets, src in cases:
+              "synth://tiny-topology?layers=2&seed=0", "bf16"),
+             ("tiny-topology-trn2.yaml", [], "synth://tiny-topology?layers=2&seed=0", "fp8_e4m3")]
+    for recipe, sets, src, kv_format in cases:
         out = d / "build"
         shutil.rmtree(out, ignore_errors=True)
         cmd = [GK, "compile", str(ROOT / "recipes" / recipe), "--out", str(out), "-q"]
@@ -44,7 +46,8 @@ def main() -> None:
             cmd += ["--set", s]
         run(cmd)
         golden = d / "golden.safetensors"
-        run([GK, "golden", src, "--out", str(golden), "--steps", "16"], stderr=open(os.devnull, "w"))
+        run([GK, "golden", src, "--out", str(golden), "--steps", "16", "--kv", kv_format],
+            stderr=open(os.devnull, "w"))
         fly = [run([GK, "verify", str(out), "--json"], stdout=open(os.devnull, "w")) for _ in range(a.repeat)]
         stored = [run([GK, "verify", str(out), "--golden", str(golden), "--json"], stdout=open(os.devnull, "w"))
                   for _ in range(a.repeat)]

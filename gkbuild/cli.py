@@ -307,7 +307,7 @@ def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkp
     reference's top-5/50/1000/all logits, teacher forcing, near-tie allowances; tight when the
     golden emulates the build's KV format. Exits 1 on a mismatch and names the first layer whose
     hidden state or routing departs."""
-    from .verify import MAX_FORCED, run
+    from .verify import LAYER_TOL, MAX_FORCED, run
 
     rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts, engine=engine, loose=loose,
               other_checkpoint=other_checkpoint, quiet=quiet or as_json)
@@ -320,6 +320,10 @@ def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkp
         what = []
         if rep.first_failure:
             what.append(f"sequence {rep.first_failure[0]} position {rep.first_failure[1]} is out of tolerance")
+        if rep.layer_departs:
+            i = rep.first_bad_layer
+            what.append(f"layer {i} departs from the reference (worst hidden-state error {rep.layer_errors[i]:.3g}, "
+                        f"limit {LAYER_TOL[rep.kv]}; {rep.layer_routing[i]} routing departures)")
         if rep.too_many_forced:
             what.append(f"routing was forced at true ties on {rep.routing_forced} of {rep.routing_total} "
                         f"token-layers (more than {MAX_FORCED:.0%})")

@@ -136,6 +136,18 @@ def test_cuda_reference_matches_cpu(tiny_ckpt, streamed):
     assert float((cuda["logits"] - streamed["logits"]).abs().max()) <= 1e-3
 
 
+def test_golden_cli_records_the_kv_format(tiny_ckpt, tmp_path):
+    out = tmp_path / "g.safetensors"
+    r = run_cli("golden", str(tiny_ckpt), "--out", str(out), "--prompts", "1", "--steps", "1", "--kv", "fp8_e4m3",
+                "--k-scale", "0.5", "--v-scale", "2", "-q")
+    assert r.returncode == 0, r.stderr
+    g = Golden.load(out)
+    assert g.kv == KvFormat("fp8_e4m3", 0.5, 2.0) and g.token_ids.shape == (1, 5)
+    r = run_cli("golden", str(tiny_ckpt), "--out", str(tmp_path / "bad.safetensors"), "--kv", "fp8_e4m3",
+                "--k-scale", "0")
+    assert r.returncode != 0 and r.stderr.strip().startswith("gkbuild: error: KV scales must be positive")
+
+
 def test_old_goldens_are_refused_with_a_reason(tmp_path):
     from safetensors.torch import save_file
 
