@@ -146,7 +146,10 @@ class Session:
         self.build = build
         self.tensors = [build.load_rank(r) for r in range(self.world)]
         self.memo = decode.ExpertCache()  # dequantized experts, every rank's
-        self.kv = [build.allocate_kv(self.steps.num_blocks) for _ in range(self.world)]
+        # the twins take any number of blocks: only those this run reaches; a compiled program
+        # was compiled for the build's own KV shapes
+        blocks = self.steps.num_blocks if engine == "twin" else None
+        self.kv = [build.allocate_kv(blocks) for _ in range(self.world)]
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
         self.hops = len(t["hops"])
         meshes = t["meshes"]
