@@ -213,7 +213,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     rows = torch.arange(batch) % P  # every row of the batch runs one of the golden's sequences
     if engine == "neuron":
         return _on_neuron(build, g, batch, rows, kv)
-    session = Session(build, batch, max_len=T, engine=engine)
+    session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
     ours = torch.empty(P, T, g.logits.shape[-1])
     errors = torch.zeros(P, T, L)
     departed = torch.zeros(P, T, L, dtype=torch.bool)

@@ -128,7 +128,7 @@ class Session:
     """Decode steps of one build over a batch of sequences: through the torch twins (any topology,
     emulated), or (``engine="compiled"``) through the build's compiled programs (world size 1)."""
 
-    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin"):
+    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin", compact_kv: bool = False):
         m = build.manifest
         t = m["topology"]
         self.m, self.batch = m, batch
@@ -146,9 +146,9 @@ class Session:
         self.build = build
         self.tensors = [build.load_rank(r) for r in range(self.world)]
         self.memo = decode.ExpertCache()  # dequantized experts, every rank's
-        # the twins take any number of blocks: only those this run reaches; a compiled program
-        # was compiled for the build's own KV shapes
-        blocks = self.steps.num_blocks if engine == "twin" else None
+        # ``compact_kv``: only the blocks this run reaches (the twins take any number; what a
+        # compiled program or the kernel is handed keeps the build's shapes)
+        blocks = self.steps.num_blocks if compact_kv and engine == "twin" else None
         self.kv = [build.allocate_kv(blocks) for _ in range(self.world)]
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
         self.hops = len(t["hops"])

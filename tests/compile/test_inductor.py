@@ -62,9 +62,8 @@ def test_compiled_agrees_with_the_twin(built):
         decisive = (top2[:, 0] - top2[:, 1]) > 0.05
         assert torch.equal(a.tokens[decisive], c.tokens[decisive])
     # the compiled program wrote the KV cache in place, as the twin did
-    tk, ck = twin.kv[0].allocations[0].float(), comp.kv[0].allocations[0].float()
-    n = tk.shape[1]  # the twin allocates only the blocks a run reaches; both use the same block ids
-    assert ck.abs().sum() > 0 and ck[:, n:].abs().sum() == 0 and (tk - ck[:, :n]).abs().max() < 0.02
+    diff = (twin.kv[0].allocations[0].float() - comp.kv[0].allocations[0].float()).abs().max()
+    assert comp.kv[0].allocations[0].float().abs().sum() > 0 and diff < 0.02
 
 
 def test_compiled_engine_passes_verify(built):
