@@ -70,12 +70,16 @@ def test_a_foreign_file_in_place_is_named_and_kept(store, tmp_path):
 @pytest.mark.slow
 def test_a_fetch_killed_at_random_moments_always_resumes(store, tmp_path):
     rng = random.Random(7)
+    t0 = time.monotonic()  # how long a fetch takes on this machine now: the kills spread over it
+    assert subprocess.run([sys.executable, "-m", "gkbuild", "fetch", str(store), "--to", str(tmp_path / "timed"), "-q"],
+                          capture_output=True).returncode == 0
+    took = time.monotonic() - t0
     landed = 0
     for i in range(10):
         dest = tmp_path / f"d{i}"
         cmd = [sys.executable, "-m", "gkbuild", "fetch", str(store), "--to", str(dest), "-q"]
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.05 + (i + rng.random()) * 0.12)  # spread over the ~1.2 s a run takes
+        time.sleep(took * (0.05 + 0.09 * (i + rng.random())))
         landed += p.poll() is None
         p.send_signal(signal.SIGKILL)
         p.wait()
