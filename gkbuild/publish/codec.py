@@ -60,11 +60,14 @@ def encode(src: BinaryIO, dst: BinaryIO, encoding: str, level: int = LEVEL, thre
             size = os.fstat(src.fileno()).st_size
         except (AttributeError, OSError, io.UnsupportedOperation):
             size = -1
-        with cctx.stream_writer(dst, size=size, closefd=False) as w:
-            while n := src.readinto(buf):
-                h.update(view[:n])
-                w.write(view[:n])
-                advance(n)
+        # Not a ``with``: on a failed write (a dropped connection) its exit would finish the frame
+        # and raise zstd's "Src size is incorrect" in place of the real error.
+        w = cctx.stream_writer(dst, size=size, closefd=False)
+        while n := src.readinto(buf):
+            h.update(view[:n])
+            w.write(view[:n])
+            advance(n)
+        w.close()
     else:
         while n := src.readinto(buf):
             h.update(view[:n])

@@ -18,7 +18,7 @@ from .stores import open_store
 def load(ref: str, api=None, fs=None) -> dict:
     """The manifest of a build folder, or of the build a store holds."""
     p = Path(ref)
-    if not ref.startswith("hf://"):
+    if "://" not in ref:
         if (p / mf.NAME).exists():
             return mf.load(p)
         if not p.exists():

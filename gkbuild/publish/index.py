@@ -23,10 +23,17 @@ NAME = "publish.json"
 FORMAT = "gkbuild-publish"
 VERSION = 1
 _SHA = re.compile(r"^[0-9a-f]{64}$")
+_BLOB = re.compile(r"^blobs/[0-9a-f]{64}\.(zst|raw)$")
+MAX_SIZE = 64 << 20  # an index is ~0.4 KB a file: read no more than this from a store
 
 
 def blob_name(sha256: str, encoding: str) -> str:
     return f"blobs/{sha256}.{EXT[encoding]}"
+
+
+def is_blob(name: str) -> bool:
+    """A name a publish could have written under ``blobs/`` (what a store may list or delete)."""
+    return bool(_BLOB.match(name))
 
 
 def entry(path: str, size: int, sha256: str, encoding: str, stored_size: int) -> dict:

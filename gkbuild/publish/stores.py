@@ -26,16 +26,29 @@ from ..errors import GkError
 from .index import NAME, blobs, parse
 
 
-def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs=None) -> "DirStore | HubStore":
-    """A store from ``hf://org/name[@branch]`` or a directory path. ``staging`` is where a hub
-    publish stages compressed blobs before the commit; ``api``/``fs`` replace huggingface_hub's
-    ``HfApi``/``HfFileSystem`` (tests)."""
+def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs=None):
+    """A store from ``hf://org/name[@branch]``, ``s3://bucket/prefix`` or a directory path.
+    ``staging`` is where a hub publish stages compressed blobs before the commit; ``api``/``fs``
+    replace huggingface_hub's ``HfApi``/``HfFileSystem`` (tests)."""
     text = str(uri)
     if text.startswith("hf://"):
         return HubStore(hub.parse(text), staging, api, fs)
+    if text.startswith("s3://"):
+        from .. import s3
+        from .s3 import S3Store
+
+        return S3Store(s3.parse(text))
     if "://" in text:
-        raise GkError(f"{text}: unknown store; give a directory or hf://ORG/NAME[@BRANCH]")
+        raise GkError(f"{text}: unknown store; give a directory, hf://ORG/NAME[@BRANCH] or s3://BUCKET/PREFIX")
     return DirStore(Path(text))
+
+
+def refuse_foreign(where: str, names: list[str], has_index: bool) -> None:
+    """Refuse to publish into a place that holds other things and no index (``--to ~`` by mistake)."""
+    other = [n for n in names if n not in (NAME, "blobs") and not n.startswith(".")]
+    if other and not has_index:
+        raise GkError(f"{where}: not empty and not a gkbuild store (holds {other[0]!r}); "
+                      f"publish into an empty or new folder")
 
 
 def _regular(p: Path, what: str) -> None:
@@ -103,10 +116,7 @@ class DirStore:
         if self.root.exists():
             if not self.root.is_dir():
                 raise GkError(f"{self.root}: exists and is not a folder")
-            other = [e.name for e in os.scandir(self.root) if e.name not in (NAME, "blobs") and not e.name.startswith(".")]
-            if other and not (self.root / NAME).exists():
-                raise GkError(f"{self.root}: not empty and not a gkbuild store (holds {other[0]!r}); "
-                              f"publish into an empty or new folder")
+            refuse_foreign(str(self.root), [e.name for e in os.scandir(self.root)], (self.root / NAME).exists())
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager

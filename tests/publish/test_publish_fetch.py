@@ -302,5 +302,5 @@ def test_cli_publish_fetch_and_refusal_are_one_line(built, tmp_path):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gkbuild: error:") and "differs from the manifest" in lines[0]
-    r = run_cli("fetch", "s3://bucket/x", "--to", str(tmp_path / "e"))
+    r = run_cli("fetch", "gs://bucket/x", "--to", str(tmp_path / "e"))
     assert r.returncode == 1 and "unknown store" in r.stderr
