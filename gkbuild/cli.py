@@ -175,10 +175,16 @@ def plan(recipe_path, overrides, as_json, show_compile):
 @click.option("--no-compile", is_flag=True, help="Stop before tracing/compiling: shards, metadata and manifest only.")
 @click.option("--require-neff", is_flag=True, help="Fail (rather than warn) when a trn target's NEFFs cannot be "
                                                    "compiled because the Neuron SDK is missing.")
+@click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", default=None,
+              help="A shared compile cache (folder, hf://ORG/NAME, s3://BUCKET/PREFIX) looked up before compiling "
+                   "each program; env GKBUILD_COMPILE_CACHE.")
+@click.option("--cache-push", is_flag=True, envvar="GKBUILD_COMPILE_CACHE_PUSH",
+              help="Store the compiled programs in the --cache store; env GKBUILD_COMPILE_CACHE_PUSH=1.")
 @_set_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
-def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, overrides, quiet, as_json):
+def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, cache_push, overrides, quiet,
+                as_json):
     """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
     and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
     through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
@@ -186,16 +192,19 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, ove
     Stages whose inputs are unchanged are skipped (an unchanged recipe does no work); shards are
     written under temporary names and renamed when complete, so an interrupted build resumes
     where it stopped. Without the Neuron SDK a trn build records its NEFF stage as skipped and
-    warns; --require-neff makes that an error.
+    warns; --require-neff makes that an error. With --cache, a program another host compiled with
+    the same compile key is fetched and verified instead of compiled.
     """
     from .pipeline.pipeline import compile_build
     from .recipe import load
 
     if jobs is not None and jobs < 1:
         raise GkError(f"--jobs: {jobs} is not a positive number of processes")
+    if cache_push and not cache:
+        raise GkError("--cache-push: give the store with --cache STORE (or GKBUILD_COMPILE_CACHE)")
     r = load(recipe_path, overrides)
     res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
-                        require_neff=require_neff)
+                        require_neff=require_neff, cache=cache or None, cache_push=cache_push)
     if as_json:
         click.echo(json.dumps(res.summary(), indent=2))
     elif not quiet:
@@ -477,6 +486,73 @@ def _print_diff(d: dict) -> None:
         out.print(t)
     r = d["ranks"]
     out.print(f"ranks whose files changed: {r['changed']} of {r['of']}" + (f" ({r['which']})" if r["which"] else ""))
+
+
+@cli.group()
+def cache():
+    """A shared compile cache (a folder, hf://ORG/NAME or s3://BUCKET/PREFIX): list, fill, prune.
+
+    \b
+      gkbuild compile recipes/tiny-cpu.yaml --cache s3://my-bucket/gk-cache --cache-push
+      gkbuild cache ls s3://my-bucket/gk-cache
+    """
+
+
+@cache.command("ls")
+@click.argument("store", metavar="STORE")
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+def cache_ls(store, as_json):
+    """Every compiled program in STORE: its key, program, format, target, compiler and size."""
+    from .compile.cache import entries
+    from .publish.stores import open_store
+    from .summary import human_bytes
+
+    es = entries(open_store(store))
+    if as_json:
+        click.echo(json.dumps(es, indent=1))
+        return
+    t = Table(title=f"compile cache {store}: {len(es)} programs", title_justify="left")
+    for c in ("key", "program", "format", "target", "compiler", "bytes"):
+        t.add_column(c, justify="right" if c == "bytes" else "left")
+    for e in es:
+        a = e.get("artifact")
+        if a is None:
+            t.add_row(e["key"][:16], f"[red]{e['error']}[/]", "", "", "", "")
+        else:
+            t.add_row(e["key"][:16], e["program"], a["format"], a["target"],
+                      f"{a['compiler']['name']} {a['compiler']['version']}", human_bytes(a["size"]))
+    out.print(t)
+
+
+@cache.command("push")
+@click.argument("store", metavar="STORE")
+@click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
+def cache_push(store, build_dir):
+    """Store BUILD's compiled programs in STORE under their compile keys (each checked against the
+    manifest first; keys the store already has are skipped)."""
+    from .compile.cache import CompileCache, push_build
+
+    c = CompileCache(store, push=True, staging=Path(build_dir) / ".gkbuild" / "cache-push")
+    n = push_build(c, Path(build_dir))
+    note(f"{len(c.pushed)} programs pushed to {store}, {n - len(c.pushed)} already there", False)
+
+
+@cache.command("prune")
+@click.argument("store", metavar="STORE")
+@click.option("--keep", "keep", multiple=True, type=click.Path(path_type=Path), metavar="BUILD",
+              help="Keep only the programs these builds use (repeatable); without it, only broken entries "
+                   "and blobs no entry names are removed.")
+def cache_prune(store, keep):
+    """Remove entries whose blob is gone or malformed, entries no --keep build uses, then blobs no
+    entry names. Only names a push writes are ever deleted."""
+    from .compile.cache import build_keys, prune
+    from .publish.stores import open_store
+    from .summary import human_bytes
+
+    keys = set().union(*(build_keys(Path(b)) for b in keep)) if keep else None
+    rep = prune(open_store(store), keys)
+    note(f"removed {rep['entries_removed']} entries and {rep['blobs_removed']} blobs "
+         f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
 
 @cli.command("recipe-doc")

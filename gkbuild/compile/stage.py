@@ -23,7 +23,7 @@ from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import inductor, kernel_source, neff, neuron, signature
+from . import cache as compile_cache, inductor, kernel_source, neff, neuron, signature
 from .programs import DecodeProgram, TailProgram
 
 OUT = "compiled"
@@ -47,9 +47,10 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     return e
 
 
-def run(plan, out: Path, state, progress, require_neff: bool = False, before_write=lambda: None):
+def run(plan, out: Path, state, progress, require_neff: bool = False, before_write=lambda: None, cache=None):
     """(manifest compile entry, stage key, status, detail) for the compile stage; ``before_write``
-    is called before the first artifact is (re)written."""
+    is called before the first artifact is (re)written. ``cache``: a ``cache.CompileCache`` looked
+    up before compiling a program (and pushed to after, if asked)."""
     r = plan.recipe
     sigs = signature.programs(plan)
     kernel = None
@@ -78,11 +79,15 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
         entries = [_entry(s, fmt, None, out, r.target, comp, flags, status, kernel) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
+    keys = {s.key: compile_cache.program_key(plan, s, comp, flags, kernel) for s in sigs}
+    expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags}
     t0 = time.perf_counter()
     if not cached:
         before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
+            if cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect):
+                continue
             if r.backend == "inductor":
                 inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.key])
             else:
@@ -93,8 +98,14 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
     if r.backend == "neuron":
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()
+    if cache and cache.push_enabled:
+        for e in entries:
+            cache.push(keys[e["name"]], e["name"], out / e["path"], e)
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
-    return {"status": "ok", "backend": r.backend, "artifacts": entries}, k, "cached" if cached else "ran", detail
+    if cache and cache.summary():
+        detail += f"; {cache.summary()}"
+    return ({"status": "ok", "backend": r.backend, "artifacts": entries, "cache_keys": keys}, k,
+            "cached" if cached else "ran", detail)
 
 
 def _program(plan, sig):

@@ -319,7 +319,7 @@ class _Build:
                               "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
         self.report("layout", not cached, t0, ", ".join(docs))
 
-    def compile(self, enabled: bool, require_neff: bool) -> None:
+    def compile(self, enabled: bool, require_neff: bool, cache: str | None = None, cache_push: bool = False) -> None:
         t0 = time.perf_counter()
         if not enabled:
             self.compile_entry = {"status": "skipped: not requested (--no-compile)", "artifacts": []}
@@ -327,10 +327,12 @@ class _Build:
             self.reports.append(StageReport("compile", "skipped", 0.0, "--no-compile"))
             return
         from ..compile import stage
+        from ..compile.cache import CompileCache
 
+        shared = CompileCache(cache, cache_push, staging=self.out / STATE_DIR / "cache-push") if cache else None
         self.compile_entry, self.keys["compile"], status, detail = stage.run(self.plan_, self.out, self.state,
                                                                              self.progress, require_neff,
-                                                                             before_write=self.unpublish)
+                                                                             before_write=self.unpublish, cache=shared)
         self.reports.append(StageReport("compile", status, time.perf_counter() - t0, detail))
 
     def manifest(self) -> dict:
@@ -374,9 +376,11 @@ def refuse_overlap(out: Path, source: Path) -> None:
 
 
 def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
-                  quiet: bool = False, compile: bool = True, require_neff: bool = False) -> BuildResult:
+                  quiet: bool = False, compile: bool = True, require_neff: bool = False, cache: str | None = None,
+                  cache_push: bool = False) -> BuildResult:
     """Run every stage of a build into ``out`` (default: the recipe's output folder). ``compile``
-    False stops after the layout metadata (shards, metadata and manifest only)."""
+    False stops after the layout metadata (shards, metadata and manifest only). ``cache``: a
+    compile-cache store looked up before compiling (``cache_push``: and stored to after)."""
     t0 = time.perf_counter()
     out = Path(out) if out else recipe.output_dir()
     spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
@@ -390,6 +394,6 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
         b.plan()
         b.shards()
         b.layout()
-        b.compile(compile, require_neff)
+        b.compile(compile, require_neff, cache, cache_push)
         m = b.manifest()
     return BuildResult(out, b.reports, m, b.written, b.nbytes, time.perf_counter() - t0)

@@ -41,9 +41,13 @@ class S3Store:
     def _errors(self):
         return s3.errors(self.uri)
 
-    def get(self, name: str, limit: int = MAX_SIZE) -> tuple[bytes, str] | None:
-        """(bytes, ETag) of a small object, or None when it does not exist; larger than ``limit``
-        is refused before it is read."""
+    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+        """A small object, or None when it does not exist; larger than ``limit`` is refused unread."""
+        got = self._read(name, limit)
+        return got[0] if got else None
+
+    def _read(self, name: str, limit: int = MAX_SIZE) -> tuple[bytes, str] | None:
+        """(bytes, ETag), as ``get``."""
         with self._errors():
             try:
                 f = self.fs.open(self.ref.path(name), "rb")
@@ -61,7 +65,7 @@ class S3Store:
                 raise GkError(f"{self.uri}: the bucket does not exist (gkbuild never creates buckets)")
 
     def read_index(self) -> bytes | None:
-        got = self.get(NAME)
+        got = self._read(NAME)
         if got is None:
             return None
         data, self.etag = got

@@ -23,7 +23,7 @@ from ..checkpoint import hub
 from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
-from .index import NAME, blobs, parse
+from .index import MAX_SIZE, NAME, blobs, parse
 
 
 def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs=None):
@@ -45,7 +45,7 @@ def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs
 
 def refuse_foreign(where: str, names: list[str], has_index: bool) -> None:
     """Refuse to publish into a place that holds other things and no index (``--to ~`` by mistake)."""
-    other = [n for n in names if n not in (NAME, "blobs") and not n.startswith(".")]
+    other = [n for n in names if n not in (NAME, "blobs", "compile") and not n.startswith(".")]  # compile/: a cache
     if other and not has_index:
         raise GkError(f"{where}: not empty and not a gkbuild store (holds {other[0]!r}); "
                       f"publish into an empty or new folder")
@@ -156,6 +156,52 @@ class DirStore:
             if m and e.is_file(follow_symlinks=False) and not _alive(int(m.group(1))):
                 os.unlink(e.path)
 
+    # -- small named files (the compile cache's entries) ----------------------------------------
+    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+        """A small file of the store, or None when absent; refused through a symlink or past ``limit``."""
+        p = self.root / name
+        if not os.path.lexists(p):
+            return None
+        _regular(p, name)
+        if os.lstat(p).st_size > limit:
+            raise GkError(f"{p}: {os.lstat(p).st_size} bytes; refusing to read more than {limit}")
+        return p.read_bytes()
+
+    def put(self, name: str, data: bytes, create: bool = True) -> None:
+        """``data`` under ``name``, whole or not at all; with ``create`` only where nothing is
+        (``s3.Conflict`` otherwise: a hard link never replaces a file)."""
+        from ..s3 import Conflict
+
+        final = self.root / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
+        try:
+            tmp.write_bytes(data)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            if not create:
+                os.replace(tmp, final)
+            else:
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    raise Conflict(f"{final}: already exists") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+
+    def list(self, folder: str) -> dict[str, int]:
+        """Plain files in ``folder`` (one level): store-relative name -> size."""
+        d = self.root / folder
+        if os.path.islink(d) or not d.is_dir():
+            return {}
+        return {f"{folder}/{e.name}": e.stat().st_size for e in os.scandir(d)
+                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+
+    def delete(self, names: list[str]) -> None:
+        for n in names:
+            (self.root / n).unlink(missing_ok=True)
+
 
 class HubStore:
     verifies_blobs = False  # LFS blobs are addressed and checked by their sha256 on the hub
@@ -255,13 +301,56 @@ class HubStore:
         ops.append(CommitOperationAdd(path_in_repo=NAME, path_or_fileobj=index))
         ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(self.stored()) if n not in keep]
         try:
-            with self._errors():
-                if self._pin(must_exist=False) is None:
-                    self.api.create_repo(self.ref.repo, exist_ok=True, private=True)  # builds are not public by accident
-                    if self.ref.revision != "main":
-                        self.api.create_branch(self.ref.repo, branch=self.ref.revision, exist_ok=True)
-                info = self.api.create_commit(self.ref.repo, ops, commit_message=message, revision=self.ref.revision,
-                                              parent_commit=self.commit_sha)
+            oid = self._commit(ops, message)
         finally:
             self.discard()
-        return f"{self.uri} commit {info.oid}"
+        return f"{self.uri} commit {oid}"
+
+    def _commit(self, ops: list, message: str) -> str:
+        """One commit over the commit read from (refused if the branch moved); its id."""
+        with self._errors():
+            if self._pin(must_exist=False) is None:
+                self.api.create_repo(self.ref.repo, exist_ok=True, private=True)  # builds are not public by accident
+                if self.ref.revision != "main":
+                    self.api.create_branch(self.ref.repo, branch=self.ref.revision, exist_ok=True)
+            info = self.api.create_commit(self.ref.repo, ops, commit_message=message, revision=self.ref.revision,
+                                          parent_commit=self.commit_sha)
+        self.commit_sha, self._tree = info.oid, None  # later reads see this commit
+        return info.oid
+
+    # -- small named files (the compile cache's entries) ----------------------------------------
+    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+        size = self._tree_sizes().get(name)
+        if size is None:
+            return None
+        if size > limit:
+            raise GkError(f"{self.uri}: {name} is {size} bytes; refusing to read more than {limit}")
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=self.commit_sha) as f:
+            return f.read(limit + 1)[:limit]
+
+    def put(self, name: str, data: bytes, create: bool = True) -> None:
+        """One commit: the blobs staged by ``writer`` and ``name`` (refused if it exists, with ``create``)."""
+        from huggingface_hub import CommitOperationAdd
+
+        from ..s3 import Conflict
+
+        if create and name in self._tree_sizes():
+            raise Conflict(f"{self.uri}: {name} already exists")
+        staged = sorted(p.relative_to(self.staging).as_posix() for p in (self.staging / "blobs").iterdir()) \
+            if self.staging and (self.staging / "blobs").is_dir() else []
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n)) for n in staged]
+        try:
+            self._commit(ops + [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data)], f"gkbuild: add {name}")
+        finally:
+            self.discard()
+            if self.staging:
+                (self.staging / "blobs").mkdir(parents=True)
+
+    def list(self, folder: str) -> dict[str, int]:
+        return {k: v for k, v in self._tree_sizes().items() if k.rpartition("/")[0] == folder}
+
+    def delete(self, names: list[str]) -> None:
+        from huggingface_hub import CommitOperationDelete
+
+        if names:
+            self._commit([CommitOperationDelete(path_in_repo=n) for n in names], f"gkbuild: remove {len(names)} files")
