@@ -110,7 +110,7 @@ class Compile:
 
 @dataclass
 class Recipe:
-    source: str = _f(None, "checkpoint: hf://ORG/NAME@REV, synth://PRESET?layers=N&seed=S, or a folder")
+    source: str = _f(None, "checkpoint: hf://ORG/NAME@REV, s3://BUCKET/PREFIX, synth://PRESET?layers=N&seed=S, or a folder")
     target: str = _f(None, "machine the artifacts are for", TARGETS)
     name: typing.Optional[str] = _f(None, "build name (default: the recipe file's stem)")
     topology: Topology = _f(None, "ranks and meshes")

@@ -1,4 +1,5 @@
-"""Where a build's checkpoint comes from: ``hf://org/name@rev``, a local folder, or ``synth://PRESET``.
+"""Where a build's checkpoint comes from: ``hf://org/name@rev``, ``s3://bucket/prefix``, a local
+folder, or ``synth://PRESET``.
 
 ``synth://PRESET?layers=N&seed=S`` is synthesized once into the gkbuild cache (``$GKBUILD_CACHE``,
 default ``~/.cache/gkbuild``) and reused: synthesis is deterministic for a seed.
@@ -23,8 +24,8 @@ KNOWN_REPOS = {"openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt
 
 @dataclass(frozen=True)
 class SourceSpec:
-    kind: str  # "hf" | "dir" | "synth"
-    uri: str  # as written in the recipe (hf/synth normalized): a build never records a machine path
+    kind: str  # "hf" | "s3" | "dir" | "synth"
+    uri: str  # as written in the recipe (hf/s3/synth normalized): a build never records a machine path
     preset: str | None = None
     layers: int | None = None
     seed: int = 0
@@ -39,7 +40,7 @@ class SourceSpec:
 
 def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpec:
     if not isinstance(text, str) or not text:
-        raise GkError(f"{key}: expected hf://ORG/NAME@REV, synth://PRESET?layers=N&seed=S or a folder")
+        raise GkError(f"{key}: expected hf://ORG/NAME@REV, s3://BUCKET/PREFIX, synth://PRESET?layers=N&seed=S or a folder")
     if text.startswith("hf://"):
         from .hub import parse as parse_hf
 
@@ -60,8 +61,12 @@ def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpe
             raise GkError(f"{key}: synth layers and seed must be integers in {text!r}") from None
         cfg.with_layers(layers)  # range check
         return SourceSpec("synth", f"synth://{name}?layers={layers}&seed={seed}", name, layers, seed)
+    if text.startswith("s3://"):
+        from ..s3 import parse as parse_s3
+
+        return SourceSpec("s3", parse_s3(text).uri)
     if "://" in text:
-        raise GkError(f"{key}: unknown source scheme in {text!r}; use hf://, synth:// or a folder path")
+        raise GkError(f"{key}: unknown source scheme in {text!r}; use hf://, s3://, synth:// or a folder path")
     p = Path(text).expanduser()
     if not p.is_absolute() and base is not None:
         p = base / p
@@ -86,6 +91,10 @@ def model_config(spec: SourceSpec, offline_preset: bool = False) -> GptOssConfig
         return synth_config(spec)
     if spec.kind == "dir":
         return GptOssConfig.from_file(Path(spec.path) / "config.json")
+    if spec.kind == "s3":
+        from .s3_source import fetch_config as s3_config
+
+        return GptOssConfig.from_file(s3_config(spec.uri))
     from .hub import fetch_config, parse as parse_hf
 
     try:
@@ -118,6 +127,10 @@ def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
         from .hub import resolve
 
         return resolve(spec.uri)[1]
+    if spec.kind == "s3":
+        from .s3_source import resolve as resolve_s3
+
+        return resolve_s3(spec.uri, advance)
     from .synth import synthesize
 
     out = synth_cache_dir(spec)

@@ -8,12 +8,14 @@ is fetched and verified instead; ``--cache-push`` stores what was compiled. The 
     compile/<key>.json           one entry a program: the key, what was compiled, and its blob
     blobs/<sha256>.<zst|raw>     the artifact (the publish stores' naming, codec and bounds)
 
-The key (``program_key``) holds everything that changes a program and nothing that does not: the
-compile stage's key (backend, compiler name and version, flags, every input's name, shape, dtype
-and kind, the outputs' scalars baked into the program, the tail options, the nki-library pin,
-the gkbuild version), the program's name, the target and the kernel source revision. Never
-weights or the source checkpoint: weights are graph inputs, so new weights of the same shapes
-reuse a program.
+The key (``program_key``) holds everything that changes one program: its name and batch, its
+signature (every input's name, shape, dtype, kind and shard file; the outputs; the kernel's
+scalars), the backend, target, compiler name and version and flags, the kernel revision (the
+sha256 of gkbuild's sources that trace it and, for NEFFs, the nki-library source and revision,
+entry points, trace-time switches and trace mode), the gkbuild version, and the constants the
+programs bake in (the plan's scalars and replica meshes; the tail's options for the tail). Never weights
+or the source checkpoint: weights are graph inputs, so new weights of the same shapes reuse a
+program, and a tail option recompiles only the tail.
 
 A fetched artifact is checked as strictly as a fetched build file before it is moved into the
 build: the entry's key, program, format, target, compiler and flags against this compile's, its
@@ -227,7 +229,7 @@ def prune(store, keep: set[str] | None = None) -> dict:
     """Drop entries whose blob is gone or is not one the entry could name, entries whose key is
     not in ``keep`` (when given), then blobs no remaining entry names. Only names a push writes
     are ever deleted."""
-    blobs = store.stored()
+    blobs = {n: size for n, size in store.stored().items() if index.is_blob(n)}
     drop, live, kept = [], set(), 0
     for e in entries(store):
         a = e.get("artifact")

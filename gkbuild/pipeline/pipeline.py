@@ -179,9 +179,14 @@ class _Build:
             from ..checkpoint.synth import total_bytes
 
             self.progress.task("resolve", f"synthesize {self.spec.preset}", total_bytes(synth_config(self.spec)))
-        self.root = materialize(self.spec, advance=self.progress.advancer("resolve"))
+        downloaded = []
+        if self.spec.kind == "s3":
+            self.progress.task("resolve", f"download {self.spec.uri}", 0)
+        advance = self.progress.advancer("resolve")
+        self.root = materialize(self.spec, advance=lambda n: (downloaded.append(n), advance(n)))
         refuse_overlap(self.out, self.root)
-        self.report("resolve", synthesize, t0, self.spec.uri if self.spec.kind == "synth" else str(self.root))
+        self.report("resolve", synthesize or bool(downloaded), t0,
+                    self.spec.uri if self.spec.kind in ("synth", "s3") else str(self.root))
 
     def validate(self) -> None:
         t0 = time.perf_counter()
