@@ -29,7 +29,6 @@ push only from CI.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import zipfile
@@ -93,15 +92,7 @@ def make_entry(k: str, program: str, artifact: dict, encoding: str, stored_size:
 
 def parse_entry(data: bytes, where: str, k: str | None = None) -> dict:
     """An entry, checked: format, version, key (the one asked for), sizes, hash and blob name."""
-    try:
-        e = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise GkError(f"{where}: not valid JSON ({err})") from None
-    if not isinstance(e, dict) or e.get("format") != FORMAT:
-        raise GkError(f"{where}: not a gkbuild compile-cache entry")
-    if e.get("version") != VERSION:
-        raise GkError(f"{where}: compile-cache entry version {e.get('version')!r} is not supported (this gkbuild "
-                      f"reads version {VERSION})")
+    e = index.load_versioned(data, where, FORMAT, VERSION, "compile-cache entry")
     a = e.get("artifact")
     ok = (isinstance(e.get("key"), str) and _KEY.match(e["key"]) and isinstance(e.get("program"), str)
           and isinstance(a, dict) and isinstance(a.get("sha256"), str) and _KEY.match(a["sha256"])

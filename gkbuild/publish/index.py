@@ -70,17 +70,23 @@ def dumps(index: dict) -> bytes:
     return (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
 
 
-def parse(data: bytes, where: str) -> dict:
-    """Read and check an index: the format and version, and every entry's shape and blob name."""
+def load_versioned(data: bytes, where: str, fmt: str, version: int, what: str) -> dict:
+    """A JSON object of a gkbuild ``format`` and ``version`` (what a store holds), else one line."""
     try:
-        idx = json.loads(data)
+        doc = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GkError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(idx, dict) or idx.get("format") != FORMAT:
-        raise GkError(f"{where}: not a gkbuild publish index")
-    if idx.get("version") != VERSION:
-        raise GkError(f"{where}: publish index version {idx.get('version')!r} is not supported "
-                      f"(this gkbuild reads version {VERSION}); use a matching gkbuild")
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise GkError(f"{where}: not a gkbuild {what}")
+    if doc.get("version") != version:
+        raise GkError(f"{where}: {what} version {doc.get('version')!r} is not supported "
+                      f"(this gkbuild reads version {version}); use a matching gkbuild")
+    return doc
+
+
+def parse(data: bytes, where: str) -> dict:
+    """Read and check an index: the format and version, and every entry's shape and blob name."""
+    idx = load_versioned(data, where, FORMAT, VERSION, "publish index")
     files = idx.get("files")
     if not isinstance(files, list) or not isinstance(idx.get("manifest"), dict):
         raise GkError(f"{where}: malformed index (no files or manifest entry)")

@@ -1,0 +1,77 @@
+"""gkbuild publish + fetch through S3 (a moto server on 127.0.0.1) against the folder store, in the
+same run, on the 2-layer 120b-shaped build (issue 14).
+
+The gpt-oss-120b trn2 recipe on synth://gpt-oss-120b?layers=N is built once with --no-compile
+(outside the clock); then --repeat alternating rounds of: publish to a fresh folder store, fetch
+it into a fresh folder, publish to a fresh S3 prefix, fetch that. Medians; peak RSS of the
+gkbuild process (the server's own memory is not counted: on AWS it is not ours); a no-op
+republish to S3; an interrupted S3 publish resumed.
+
+    .venv/bin/python bench/bench_s3.py [--layers 2] [--repeat 3] [--dir /tmp/gkbench-s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT))
+from _measure import gib, median, run  # noqa: E402
+from tests.s3server import moto_server  # noqa: E402
+
+GK = str(Path(sys.executable).with_name("gkbuild"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/gkbench-s3")
+    a = ap.parse_args()
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    os.environ["GKBUILD_CACHE"] = str(d / "cache")
+    build = d / "build"
+    run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out",
+         str(d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1")])
+    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q", "--no-compile",
+         "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"])
+    shutil.rmtree(d / "cache" / "synth")
+    size = sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    t = {k: [] for k in ("pub_dir", "fetch_dir", "pub_s3", "fetch_s3")}
+    rss = dict.fromkeys(t, 0)
+    with moto_server() as url:
+        import boto3
+
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket="gkbench")
+        for i in range(a.repeat):
+            for p in ("store", "got", "got-s3"):
+                shutil.rmtree(d / p, ignore_errors=True)
+            steps = {"pub_dir": [GK, "publish", str(build), "--to", str(d / "store"), "-q"],
+                     "fetch_dir": [GK, "fetch", str(d / "store"), "--to", str(d / "got"), "-q"],
+                     "pub_s3": [GK, "publish", str(build), "--to", f"s3://gkbench/r{i}", "-q"],
+                     "fetch_s3": [GK, "fetch", f"s3://gkbench/r{i}", "--to", str(d / "got-s3"), "-q"]}
+            for k, cmd in steps.items():
+                sec, r = run(cmd)
+                t[k].append(sec)
+                rss[k] = max(rss[k], r)
+        again, _ = run([GK, "publish", str(build), "--to", "s3://gkbench/r0", "-q"])
+    m = {k: median(v) for k, v in t.items()}
+    print(f"build: {a.layers} layers, {gib(size)}; {a.repeat} rounds, medians\n")
+    print("| step | folder store | S3 (moto, 127.0.0.1) | S3 / folder | peak RSS folder | peak RSS S3 |")
+    print("|---|---|---|---|---|---|")
+    for name, kd, ks in (("publish", "pub_dir", "pub_s3"), ("fetch", "fetch_dir", "fetch_s3")):
+        print(f"| {name} | {m[kd]:.2f} s ({size / m[kd] / 1e9:.2f} GB/s) | {m[ks]:.2f} s ({size / m[ks] / 1e9:.2f} GB/s)"
+              f" | {m[ks] / m[kd]:.2f}x | {gib(rss[kd])} | {gib(rss[ks])} |")
+    print(f"| publish again to S3 (no-op) | | {again:.2f} s | | | |")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
