@@ -364,7 +364,7 @@ def _print_verify(rep) -> None:
 @cli.command()
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("--to", "dest", required=True, metavar="DEST",
-              help="A folder (local or a mounted artifact store) or hf://ORG/NAME[@BRANCH].")
+              help="A folder (local or a mounted artifact store), hf://ORG/NAME[@BRANCH] or s3://BUCKET/PREFIX.")
 @click.option("--level", type=click.IntRange(1, 19), default=ZSTD_LEVEL, show_default=True,
               help="zstd level for files that compress (decided per file from a sample).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files stored in parallel (default: cores).")
@@ -380,6 +380,7 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
       gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
+      gkbuild publish artifacts/gpt-oss-120b-trn2 --to s3://my-bucket/builds/gpt-oss-120b-trn2
     """
     from .publish.publish import publish as run
 
@@ -420,7 +421,7 @@ def _print_store_table(entries: list[dict], title: str) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def fetch(src, dest, expect, jobs, quiet, as_json):
-    """Fetch the build published at SRC (a folder or hf://ORG/NAME[@REVISION]) into DIR.
+    """Fetch the build published at SRC (a folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) into DIR.
 
     Every file is decompressed as it streams in and moved into place only once its sha256 matches
     the manifest; the manifest is written last. Refused with one line, leaving only verified
@@ -446,7 +447,7 @@ def fetch(src, dest, expect, jobs, quiet, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the difference as JSON.")
 def diff(a, b, as_json):
     """What changed from BUILD_A to BUILD_B (build folders, or stores: a published folder or
-    hf://...): recipe keys, source, tool and compiler versions, files, and the ranks whose files
+    hf://... or s3://...): recipe keys, source, tool and compiler versions, files, and the ranks whose files
     changed. Exits 0 when the builds are identical, 1 when they differ."""
     from .publish.diff import diff as run, load
 
