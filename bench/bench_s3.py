@@ -62,6 +62,10 @@ def main() -> None:
                 sec, r = run(cmd)
                 t[k].append(sec)
                 rss[k] = max(rss[k], r)
+                if k == "fetch_dir":  # keep the disk to one store and one fetched copy at a time
+                    shutil.rmtree(d / "store")
+                    shutil.rmtree(d / "got")
+            shutil.rmtree(d / "got-s3")
             if i == 0:
                 again, _ = run(steps["pub_s3"])
             s3fs.S3FileSystem().rm(f"gkbench/r{i}", recursive=True)  # the server spills objects to /tmp
