@@ -29,8 +29,6 @@ class S3Store:
         self._fs = fs
         self.concurrency = max(8, os.cpu_count() or 1)  # network-bound: keep several transfers going
         self.etag: str | None = None  # the index's ETag as read (None: no index yet)
-        self.part_size = s3.PART
-        self.parts = {"sent": 0, "reused": 0}  # upload parts sent and resumed, over this store's writers
 
     @property
     def fs(self):
@@ -110,12 +108,10 @@ class S3Store:
     def writer(self, name: str) -> Iterator[BinaryIO]:
         """A blob streamed up as it is written; created only once complete. An interrupted
         multipart upload stays for the next publish to resume."""
-        up = s3.Upload(self.fs, self.ref, name, self.part_size)
+        up = s3.Upload(self.fs, self.ref, name, s3.PART)
         with self._errors():
             yield up
             up.close()
-        self.parts["sent"] += up.sent
-        self.parts["reused"] += up.reused
 
     def put(self, name: str, data: bytes, create: bool = True) -> None:
         """A small object, created only if absent (``create``): ``s3.Conflict`` otherwise."""
