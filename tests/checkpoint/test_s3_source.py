@@ -13,7 +13,6 @@ from gkbuild import recipe
 from gkbuild.checkpoint import s3_source
 from gkbuild.checkpoint.reader import INDEX
 from gkbuild.errors import GkError
-from gkbuild.pipeline import manifest as mf
 from gkbuild.pipeline.check import problems
 from gkbuild.pipeline.pipeline import compile_build
 from tests.conftest import RECIPES, run_cli

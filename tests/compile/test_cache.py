@@ -15,7 +15,6 @@ import zstandard
 from gkbuild import recipe
 from gkbuild.compile import cache, inductor
 from gkbuild.errors import GkError
-from gkbuild.pipeline import manifest as mf
 from gkbuild.pipeline.check import problems
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.publish import index
