@@ -35,6 +35,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import GkError
+from ..paths import confined
 from ..pipeline.state import key
 from ..progress import warn
 from ..publish import codec, index
@@ -253,7 +254,7 @@ def push_build(cache: CompileCache, build_dir: Path) -> int:
     if not arts:
         raise GkError(f"{build_dir}: no compiled programs to push ({m['compile']['status']})")
     for a in arts:
-        index.safe_path(a["path"], f"{build_dir} manifest")
+        confined(a["path"], f"{build_dir} manifest")
         cache.push(keys[a["name"]], a["name"], Path(build_dir) / a["path"], a)
     return len(arts)
 

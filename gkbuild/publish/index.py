@@ -24,7 +24,6 @@ FORMAT = "gkbuild-publish"
 VERSION = 1
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 _BLOB = re.compile(r"^blobs/[0-9a-f]{64}\.(zst|raw)$")
-MAX_SIZE = 64 << 20  # an index is ~0.4 KB a file: read no more than this from a store
 
 
 def blob_name(sha256: str, encoding: str) -> str:

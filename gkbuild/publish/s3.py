@@ -18,12 +18,18 @@ from typing import BinaryIO, Iterator
 
 from .. import s3
 from ..errors import GkError
-from .index import MAX_SIZE, NAME, blobs, is_blob, parse
+from .index import NAME, blobs, is_blob, parse
+from .stores import MAX_INDEX, refuse_foreign
 
 READ_BLOCK = 16 << 20  # bytes a ranged GET asks for while a blob streams
 
 
 class S3Store:
+    # Reused blobs are not re-read on publish: that would download every blob of the build each
+    # time. S3 checksums objects at rest, and a blob edited by hand still fails every fetch (each
+    # byte is hashed against the manifest), so the damage is a refused fetch, never a wrong build.
+    verifies_blobs = False
+
     def __init__(self, ref: s3.S3Ref, fs=None):
         self.ref, self.uri = ref, ref.uri
         self._fs = fs
@@ -39,12 +45,12 @@ class S3Store:
     def _errors(self):
         return s3.errors(self.uri)
 
-    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+    def get(self, name: str, limit: int = MAX_INDEX) -> bytes | None:
         """A small object, or None when it does not exist; larger than ``limit`` is refused unread."""
         got = self._read(name, limit)
         return got[0] if got else None
 
-    def _read(self, name: str, limit: int = MAX_SIZE) -> tuple[bytes, str] | None:
+    def _read(self, name: str, limit: int = MAX_INDEX) -> tuple[bytes, str] | None:
         """(bytes, ETag), as ``get``."""
         with self._errors():
             try:
@@ -94,8 +100,6 @@ class S3Store:
 
     def prepare(self) -> None:
         """Refuse a prefix that holds other things and no index (the folder store's refusal)."""
-        from .stores import refuse_foreign
-
         self._bucket()
         with self._errors():
             names = []

@@ -23,7 +23,7 @@ from ..checkpoint import hub
 from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
-from .index import MAX_SIZE, NAME, blobs, parse
+from .index import NAME, blobs, parse
 
 
 def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs=None):
@@ -157,7 +157,7 @@ class DirStore:
                 os.unlink(e.path)
 
     # -- small named files (the compile cache's entries) ----------------------------------------
-    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+    def get(self, name: str, limit: int = MAX_INDEX) -> bytes | None:
         """A small file of the store, or None when absent; refused through a symlink or past ``limit``."""
         p = self.root / name
         if not os.path.lexists(p):
@@ -319,7 +319,7 @@ class HubStore:
         return info.oid
 
     # -- small named files (the compile cache's entries) ----------------------------------------
-    def get(self, name: str, limit: int = MAX_SIZE) -> bytes | None:
+    def get(self, name: str, limit: int = MAX_INDEX) -> bytes | None:
         size = self._tree_sizes().get(name)
         if size is None:
             return None
