@@ -63,3 +63,23 @@ def gib(n: int) -> str:
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
+
+
+def build_120b(d, layers: int, gk: str, root) -> tuple:
+    """The gpt-oss-120b trn2 recipe on synth://gpt-oss-120b?layers=N, built with --no-compile into
+    ``d/build`` in a fresh folder ``d`` (GKBUILD_CACHE set to ``d/cache``), the synthesized
+    checkpoint removed after; returns (build folder, bytes of the build)."""
+    import shutil
+    from pathlib import Path
+
+    d = Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    os.environ["GKBUILD_CACHE"] = str(d / "cache")
+    build = d / "build"
+    run([gk, "synth", "gpt-oss-120b", "--layers", str(layers), "-q", "--out",
+         str(d / "cache" / "synth" / f"gpt-oss-120b-L{layers}-s0-v1")])
+    run([gk, "compile", str(Path(root) / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q",
+         "--no-compile", "--set", f"source=synth://gpt-oss-120b?layers={layers}"])
+    shutil.rmtree(d / "cache" / "synth")  # only the build is needed from here on
+    return build, sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)

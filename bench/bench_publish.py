@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import cp_then_sync, gib, median, run  # noqa: E402
+from _measure import build_120b, cp_then_sync, gib, median, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -35,16 +34,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/gkbench-pub")
     a = ap.parse_args()
     d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    build = d / "build"
-    run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out",
-         str(d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1")])
-    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q",
-         "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"])
-    shutil.rmtree(d / "cache" / "synth")  # only the build is needed from here on
-    size = sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    build, size = build_120b(d, a.layers, GK, ROOT)
     cps, pubs, fetches, rss_pub, rss_fetch = [], [], [], 0, 0
     for _ in range(a.repeat):
         for p in ("copy", "store", "got"):

@@ -13,7 +13,6 @@ republish to S3; an interrupted S3 publish resumed.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT))
-from _measure import gib, median, run  # noqa: E402
+from _measure import build_120b, gib, median, run  # noqa: E402
 from tests.s3server import moto_server  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -34,16 +33,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/gkbench-s3")
     a = ap.parse_args()
     d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    build = d / "build"
-    run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out",
-         str(d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1")])
-    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q", "--no-compile",
-         "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"])
-    shutil.rmtree(d / "cache" / "synth")
-    size = sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    build, size = build_120b(d, a.layers, GK, ROOT)
     t = {k: [] for k in ("pub_dir", "fetch_dir", "pub_s3", "fetch_s3")}
     rss = dict.fromkeys(t, 0)
     with moto_server() as url:
