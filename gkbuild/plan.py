@@ -101,6 +101,16 @@ def shard_path(role: str, index: int, embed: str = "host") -> str:
             "tail": f"weights/tail-v{index:03d}.safetensors"}[role]
 
 
+def group_ranks(items) -> list[dict]:
+    """(rank, figures) pairs -> [{"ranks": [...], **figures}], ranks with equal figures merged."""
+    import json
+
+    groups: dict[str, dict] = {}
+    for rank, figures in items:
+        groups.setdefault(json.dumps(figures, sort_keys=True), {"ranks": [], **figures})["ranks"].append(rank)
+    return list(groups.values())
+
+
 def rank_ranges(ranks) -> str:
     """0-7, 9, 12-15: a set of ranks as a user reads it."""
     ranks, out = sorted(ranks), []
@@ -146,6 +156,12 @@ class Plan:
         """Device bytes of the weights a rank's programs read."""
         return sum(f.nbytes for f in self.files_of(rank))
 
+    def host_entries(self) -> list[dict]:
+        """The host-side files as the manifest lists them, apart from the ranks' device loads."""
+        return [{"file": f.path, "tensors": [t.name for t in f.tensors], "program": "decode",
+                 "use": "the runtime embeds: x_shard = embed_tokens[token ids], each rank's own tokens"}
+                for f in self.host_files]
+
     @property
     def host_bytes(self) -> int:
         return sum(f.nbytes for f in self.host_files)
@@ -166,12 +182,7 @@ class Plan:
 
     def device_memory_groups(self) -> list[dict]:
         """``device_memory`` of every rank, ranks with the same figures merged: [{ranks, ...}]."""
-        groups: dict[str, dict] = {}
-        for c in self.ranks:
-            m = self.device_memory(c.rank)
-            g = groups.setdefault(repr(sorted(m.items(), key=lambda kv: kv[0])), {"ranks": [], **m})
-            g["ranks"].append(c.rank)
-        return list(groups.values())
+        return group_ranks((c.rank, self.device_memory(c.rank)) for c in self.ranks)
 
     def fused_inputs(self, rank: int) -> list[dict]:
         """The device-side embedding and RoPE inputs of one rank's decode, in the kernel's names
@@ -220,8 +231,7 @@ class Plan:
             "rank_tensors": {n: {"shape": list(s.shape), "dtype": s.dtype, "file": p} for n, (p, s) in r0.items()},
             "files": by_role,
             "bytes_per_rank": self.weight_bytes(0),
-            "host_files": [{"file": f.path, "tensors": [t.name for t in f.tensors], "bytes": f.nbytes}
-                           for f in self.host_files],
+            "host_files": [{**e, "bytes": f.nbytes} for e, f in zip(self.host_entries(), self.host_files)],
             "host_bytes": self.host_bytes,
             "disk_bytes": self.disk_bytes,
             "embedding": self.recipe.decode.embedding,

@@ -76,10 +76,7 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
         loads = [{"file": f.path, "tensors": [s.name for s in f.tensors]} for f in plan.files_of(c.rank)]
         mem = plan.device_memory(c.rank)
         ranks.append({**c.to_dict(), "loads": loads,
-                      "device": {k: mem[k] for k in ("weights_bytes", "kv_bytes", "reserve_bytes", "total_bytes")}})
-    host = [{"file": f.path, "tensors": [s.name for s in f.tensors], "program": "decode",
-             "use": "the runtime embeds: x_shard = embed_tokens[token ids], each rank's own tokens"}
-            for f in plan.host_files]
+                      "device": mem})
     m = {
         "schema_version": SCHEMA_VERSION,
         "name": r.name,
@@ -97,13 +94,14 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
         "layout": {"kv": {"file": "layout/kv.json", "form": plan.kv.form, "entries": plan.kv.entries,
                           "num_blocks": plan.kv.num_blocks, "block_size": plan.kv.block_size, "dtype": plan.kv.dtype,
                           "packed": plan.kv.packed, "allocation_shape": plan.kv.allocation_shape,
-                          "allocations": plan.kv.allocations, "bytes_per_rank": plan.kv.bytes_per_rank},
+                          "allocations": plan.kv.allocations, "bytes_per_rank": plan.kv.bytes_per_rank,
+                          "budget": plan.budget},
                    "tail": {"file": "layout/tail.json", "vocab_per_rank": plan.dims.V_s, "hops": r.hops,
                             "k": r.tail.k},
                    "embedding": plan.scalars["embedding"]},
         "scalars": plan.scalars,
         "ranks": ranks,
-        "host_files": host,
+        "host_files": plan.host_entries(),
         "stages": stages,
         "compile": compile_entry,
     }

@@ -123,7 +123,9 @@ def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
     params = {"shared": {"tp": r.topology.tp, "rope": r.decode.rope},
               "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
               "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp},
-              "embed": {"placement": r.decode.embedding, "tp": r.topology.tp, "world": r.topology.world}}[f.role]
+              "embed": {"placement": r.decode.embedding,
+                        **{"host": {}, "vocab": {"world": r.topology.world}, "hidden": {"tp": r.topology.tp}}[
+                            r.decode.embedding]}}[f.role]
     specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
     return key("shard", f.role, f.index, params, specs, source_fp, LAYOUT_VERSION, __version__)
 

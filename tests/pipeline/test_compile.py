@@ -288,6 +288,20 @@ def test_a_smaller_topology_removes_the_stale_shards(topo, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_placement_change_rewrites_only_the_embedding_or_the_shared_file(topo, tmp_path):
+    _, out, _ = topo
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["decode.embedding=hidden"]), out=b,
+                        quiet=True, compile=False)
+    assert res.shards_written == 8  # embed-tp0..7
+    assert not (b / "weights/embed-host.safetensors").exists()
+    both = ["decode.embedding=hidden", "decode.rope=fused"]
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", both), out=b, quiet=True, compile=False)
+    assert res.shards_written == 1  # shared.safetensors gains inv_freq
+    assert run_cli("check", str(b), "-q").returncode == 0
+
+
 def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
     _, clean, _ = topo
     out = tmp_path / "killed"
