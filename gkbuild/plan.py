@@ -112,7 +112,7 @@ def group_ranks(items) -> list[dict]:
 
 
 def rank_ranges(ranks) -> str:
-    """0-7, 9, 12-15: a set of ranks as a user reads it."""
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8': a set of ranks as a user reads it."""
     ranks, out = sorted(ranks), []
     for r in ranks:
         if out and out[-1][1] == r - 1:

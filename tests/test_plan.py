@@ -8,7 +8,7 @@ import pytest
 from gkbuild import recipe
 from gkbuild.errors import GkError
 from gkbuild.model import preset
-from gkbuild.plan import make_plan
+from gkbuild.plan import make_plan, rank_ranges
 from tests.conftest import RECIPES, run_cli
 
 
@@ -219,3 +219,9 @@ def test_plan_cli_tables_and_errors():
     assert r.returncode == 0 and "expert_gate_up_weights" in r.stdout and "DMA offset check" in r.stdout
     r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "topology.tpp=4")
     assert r.returncode == 1 and "did you mean 'topology.tp'" in r.stderr
+
+
+def test_rank_ranges():
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert rank_ranges([8, 7, 0]) == "0, 7-8"
+    assert rank_ranges([]) == ""
