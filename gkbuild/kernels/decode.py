@@ -276,8 +276,7 @@ def embed(weight: torch.Tensor, ids: torch.Tensor, placement: str, comm) -> torc
     non-zero term a token: exact). hidden: ``weight`` [V, Hp/TP], ``ids`` [B_attn] global ids of
     this DP replica's tokens; an all-to-all over the TP group trades lanes for tokens."""
     if placement == "vocab":
-        owned = ids >= 0
-        rows = weight[ids.clamp(min=0)].float() * owned[:, None]
+        rows = torch.where((ids >= 0)[:, None], weight[ids.clamp(min=0)].float(), 0.0)  # not 0 * row: NaN rows
         return comm.reduce_scatter(rows, "ep")
     return comm.all_to_all(weight[ids].float(), "tp")
 
