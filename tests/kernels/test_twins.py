@@ -17,9 +17,10 @@ from gkbuild.model import preset
 
 
 def _rope_params(cfg):
-    return {"theta": cfg.rope.theta, "factor": cfg.rope.factor, "beta_fast": cfg.rope.beta_fast,
-            "beta_slow": cfg.rope.beta_slow, "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
-            "truncate": cfg.rope.truncate, "concentration": cfg.rope.concentration}
+    r = cfg.rope
+    return {"theta": r.theta, "factor": r.factor, "beta_fast": r.beta_fast, "beta_slow": r.beta_slow,
+            "original_max_position_embeddings": r.original_max_position_embeddings, "truncate": r.truncate,
+            "concentration": r.concentration}
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
