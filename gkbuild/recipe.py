@@ -93,10 +93,10 @@ class Decode:
     batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
     max_context: int = _f(4096, "longest sequence a step attends to: the full block table's width in tokens")
     embedding: str = _f("host", "where tokens are embedded: host (the runtime, from a host-side table), vocab "
-                                "(the kernel's fused prologue, [V/W, Hp] a rank) or hidden ([V, Hp/TP] a TP rank)",
+                                "(the kernel's fused prologue, V/W x Hp a rank) or hidden (V x Hp/TP a TP rank)",
                         EMBEDDINGS)
-    rope: str = _f("host", "RoPE: host (the runtime passes cos/sin) or fused (the kernel takes inv_freq [d/2, 1] "
-                           "and rope_concentration)", ROPE_MODES)
+    rope: str = _f("host", "RoPE: host (the runtime passes cos/sin) or fused (the kernel takes inv_freq, d/2 x 1 "
+                           "fp32, and rope_concentration)", ROPE_MODES)
 
 
 @dataclass
