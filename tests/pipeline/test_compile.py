@@ -302,6 +302,25 @@ def test_a_placement_change_rewrites_only_the_embedding_or_the_shared_file(topo,
     assert run_cli("check", str(b), "-q").returncode == 0
 
 
+def _wait_for_the_workers(out: Path, timeout: float = 60) -> None:
+    """A killed build's workers die with it (PR_SET_PDEATHSIG), but one blocked in disk I/O exits
+    only when that I/O completes, and holds the folder's lock until then (slow under load)."""
+    import fcntl
+
+    fd = os.open(out / ".gkbuild" / "lock", os.O_RDWR)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.time() < deadline, "the killed build's workers never exited"
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
 def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
     _, clean, _ = topo
     out = tmp_path / "killed"
@@ -322,6 +341,7 @@ def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
         time.sleep(0.005)
     p.send_signal(signal.SIGKILL)
     p.wait()
+    _wait_for_the_workers(out)
     assert 20 <= recorded < 266, "the kill must land midway"  # 266 shards: 1 + 8 + 128 + 128 + the embedding
     assert not (out / "manifest.json").exists()
     for f in (out / "weights").iterdir():  # a file under its final name is complete
