@@ -1,15 +1,21 @@
 """The layout plan: for a recipe and a model config, every rank's tensors, files, bytes and the KV
 budget, computed before any weight is read. Pure: no I/O.
 
-Files are unique shards named by role; a rank loads the shared file, its TP rank's attention
-shard, its EP rank's expert shard and its vocab rank's tail shard:
+Files are unique shards named by role; a rank's device loads the shared file, its TP rank's
+attention shard, its EP rank's expert shard, its vocab rank's tail shard and, where the kernel
+embeds (``decode.embedding`` vocab or hidden), its embedding shard:
 
-    weights/shared.safetensors        norms, bias_out (o_proj bias / tp), router, embedding, gamma
+    weights/shared.safetensors        norms, bias_out (o_proj bias / tp), router, gamma (+ inv_freq)
     weights/attn-tp{t}.safetensors    W_qkv, bias_qkv, W_out, sink           (one per TP rank)
     weights/expert-{r:03d}.safetensors  the rank's experts, all layers        (one per EP rank)
     weights/tail-v{v:03d}.safetensors lm_head_weight_t                       (one per vocab rank)
+    weights/embed-host.safetensors    embed_tokens [V, Hp], host-side: the runtime embeds (host)
+    weights/embed-v{r:03d}.safetensors  embed_weight [V/W, Hp]               (vocab: one per rank)
+    weights/embed-tp{t}.safetensors   embed_weight [V, Hp/TP]                (hidden: one per TP rank)
 
 Tensor names are the kernels' argument names; per-layer tensors are stacked on a leading [L] axis.
+A file is either read by device programs (it counts against the ranks' device memory) or used on
+the host by the runtime (``ShardFile.device`` False): budgets count only the device side.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ from dataclasses import dataclass, field
 from .checkpoint.safetensors_io import TensorSpec
 from .dtypes import dtype as dtype_of
 from .errors import GkError
-from .layout import attention, experts_mx, kv as kvlayout, tail, topology
+from .layout import attention, embedding, experts_mx, kv as kvlayout, tail, topology
 from .layout.dims import MX_TILE, P_MAX, Dims
 from .model import GptOssConfig
 from .recipe import Recipe
 
-ROLES = ("shared", "attn", "expert", "tail")
+ROLES = ("shared", "attn", "expert", "tail", "embed")
 
 
-def arg_specs(d: Dims, experts: str) -> dict[str, list[TensorSpec]]:
+def arg_specs(d: Dims, experts: str, embed: str = "host", rope: str = "host",
+              world: int = 1) -> dict[str, list[TensorSpec]]:
     """The stored tensors of each file role (shapes for one file of that role)."""
     L, Hp, Ip, E_L = d.L, d.Hp, d.Ip, d.E_L
     T = TensorSpec
@@ -38,9 +45,8 @@ def arg_specs(d: Dims, experts: str) -> dict[str, list[TensorSpec]]:
         T("bias_out", "bf16", (L, 1, Hp)),
         T("router_weights", "fp16", (L, Hp, d.E)),
         T("router_bias", "fp16", (L, 1, d.E)),
-        T("embed_tokens", "bf16", (d.V, Hp)),
         T("gamma", "fp32", (1, Hp)),
-    ]
+    ] + ([T("inv_freq", "fp32", (d.d // 2, 1))] if rope == "fused" else [])
     qkv = (d.q_l + 2 * d.kv_l) * d.d
     attn = [
         T("W_qkv", "bf16", (L, Hp, qkv)),
@@ -65,7 +71,11 @@ def arg_specs(d: Dims, experts: str) -> dict[str, list[TensorSpec]]:
             T("expert_down_weights", "bf16", (L, E_L, Ip, Hp)),
             T("expert_down_bias", "fp32", (L, E_L, Hp)),
         ]
-    return {"shared": shared, "attn": attn, "expert": expert, "tail": [T("lm_head_weight_t", "bf16", (Hp, d.V_s))]}
+    embed = {"host": T("embed_tokens", "bf16", (d.V, Hp)),
+             "vocab": T("embed_weight", "bf16", (embedding.vocab_rows(d.V, world), Hp)),
+             "hidden": T("embed_weight", "bf16", (d.V, Hp // d.tp))}[embed]
+    return {"shared": shared, "attn": attn, "expert": expert, "tail": [T("lm_head_weight_t", "bf16", (Hp, d.V_s))],
+            "embed": [embed]}
 
 
 @dataclass(frozen=True)
@@ -74,17 +84,42 @@ class ShardFile:
     role: str
     index: int  # TP rank, EP rank or vocab rank (0 for shared)
     tensors: tuple[TensorSpec, ...]
-    ranks: tuple[int, ...]  # ranks that load it
+    ranks: tuple[int, ...]  # ranks whose programs use it
+    device: bool = True  # False: the runtime uses it on the host; it never goes to device memory
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
 
-def shard_path(role: str, index: int) -> str:
+def shard_path(role: str, index: int, embed: str = "host") -> str:
+    if role == "embed":
+        return {"host": "weights/embed-host.safetensors", "vocab": f"weights/embed-v{index:03d}.safetensors",
+                "hidden": f"weights/embed-tp{index}.safetensors"}[embed]
     return {"shared": "weights/shared.safetensors", "attn": f"weights/attn-tp{index}.safetensors",
             "expert": f"weights/expert-{index:03d}.safetensors",
             "tail": f"weights/tail-v{index:03d}.safetensors"}[role]
+
+
+def group_ranks(items) -> list[dict]:
+    """(rank, figures) pairs -> [{"ranks": [...], **figures}], ranks with equal figures merged."""
+    import json
+
+    groups: dict[str, dict] = {}
+    for rank, figures in items:
+        groups.setdefault(json.dumps(figures, sort_keys=True), {"ranks": [], **figures})["ranks"].append(rank)
+    return list(groups.values())
+
+
+def rank_ranges(ranks) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8': a set of ranks as a user reads it."""
+    ranks, out = sorted(ranks), []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 @dataclass
@@ -105,18 +140,78 @@ class Plan:
         return len(self.ranks)
 
     def files_of(self, rank: int) -> list[ShardFile]:
-        return [f for f in self.files if rank in f.ranks]
+        """The files a rank's device programs read: its device load set."""
+        return [f for f in self.files if f.device and rank in f.ranks]
+
+    @property
+    def host_files(self) -> list[ShardFile]:
+        """Files the runtime uses on the host (never loaded to a device)."""
+        return [f for f in self.files if not f.device]
 
     def rank_tensors(self, rank: int) -> dict[str, tuple[str, TensorSpec]]:
-        """argument name -> (file path, spec) for one rank."""
+        """argument name -> (file path, spec) for one rank's device programs."""
         return {t.name: (f.path, t) for f in self.files_of(rank) for t in f.tensors}
 
     def weight_bytes(self, rank: int) -> int:
+        """Device bytes of the weights a rank's programs read."""
         return sum(f.nbytes for f in self.files_of(rank))
+
+    def host_entries(self) -> list[dict]:
+        """The host-side files as the manifest lists them, apart from the ranks' device loads."""
+        return [{"file": f.path, "tensors": [t.name for t in f.tensors], "program": "decode",
+                 "use": "the runtime embeds: x_shard = embed_tokens[token ids], each rank's own tokens"}
+                for f in self.host_files]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(f.nbytes for f in self.host_files)
 
     @property
     def disk_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    def device_memory(self, rank: int) -> dict:
+        """What one rank's device holds: weights by file role, the KV buffers, the reserve."""
+        by_role: dict[str, int] = {}
+        for f in self.files_of(rank):
+            by_role[f.role] = by_role.get(f.role, 0) + f.nbytes
+        weights = sum(by_role.values())
+        reserve = self.budget["reserve_bytes"]
+        return {"weights_by_role": by_role, "weights_bytes": weights, "kv_bytes": self.kv.bytes_per_rank,
+                "reserve_bytes": reserve, "total_bytes": weights + self.kv.bytes_per_rank + reserve}
+
+    def device_memory_groups(self) -> list[dict]:
+        """``device_memory`` of every rank, ranks with the same figures merged: [{ranks, ...}]."""
+        return group_ranks((c.rank, self.device_memory(c.rank)) for c in self.ranks)
+
+    def fused_inputs(self, rank: int) -> list[dict]:
+        """The device-side embedding and RoPE inputs of one rank's decode, in the kernel's names
+        (CONTRACT.md section 6), each with what it replaces: what a Neuron signature adds for
+        ``decode.embedding`` vocab | hidden and ``decode.rope`` fused. Shapes use B (global batch)
+        and B_attn (a DP replica's tokens); ``scalars.batch`` gives them for each batch size."""
+        out = []
+        emb = self.recipe.decode.embedding
+        if emb != "host":
+            (path, spec), = [(f.path, t) for f in self.files_of(rank) if f.role == "embed" for t in f.tensors]
+            c = self.ranks[rank]
+            rule = (f"global id g -> g - {c.rank}*{spec.shape[0]} if owned (rank {c.rank} holds rows "
+                    f"[{c.rank * spec.shape[0]}, {(c.rank + 1) * spec.shape[0]})) else -1; every token of the "
+                    f"batch, then reduce-scatter over ep_replica_group and the layer-0 TP all-gather"
+                    if emb == "vocab" else
+                    f"global ids of this DP replica's tokens; TP rank {c.tp} holds hidden lanes "
+                    f"[{c.tp * spec.shape[1]}, {(c.tp + 1) * spec.shape[1]}), then an all-to-all over "
+                    f"tp_replica_group")
+            out += [{"name": "embed_weight", "kind": "weight", "shape": list(spec.shape), "dtype": spec.dtype,
+                     "file": path, "replaces": "x_shard"},
+                    {"name": "embed_ids", "kind": "control", "shape": ["B" if emb == "vocab" else "B_attn"],
+                     "dtype": "i32", "rule": rule, "replaces": "x_shard"}]
+        if self.recipe.decode.rope == "fused":
+            (path, spec), = [(f.path, t) for f in self.files_of(rank) for t in f.tensors if t.name == "inv_freq"]
+            out += [{"name": "inv_freq", "kind": "weight", "shape": list(spec.shape), "dtype": spec.dtype,
+                     "file": path, "replaces": "cos, sin"},
+                    {"name": "rope_concentration", "kind": "scalar", "value": self.scalars["rope_concentration"],
+                     "replaces": "cos, sin"}]
+        return out
 
     def to_json(self) -> dict:
         r0 = self.rank_tensors(0)
@@ -136,7 +231,13 @@ class Plan:
             "rank_tensors": {n: {"shape": list(s.shape), "dtype": s.dtype, "file": p} for n, (p, s) in r0.items()},
             "files": by_role,
             "bytes_per_rank": self.weight_bytes(0),
+            "host_files": [{**e, "bytes": f.nbytes} for e, f in zip(self.host_entries(), self.host_files)],
+            "host_bytes": self.host_bytes,
             "disk_bytes": self.disk_bytes,
+            "embedding": self.recipe.decode.embedding,
+            "rope": self.recipe.decode.rope,
+            "fused_inputs": self.fused_inputs(0),
+            "device_memory": [{**g, "ranks": rank_ranges(g["ranks"])} for g in self.device_memory_groups()],
             "kv": {"form": self.kv.form, "entries": self.kv.entries, "num_blocks": self.kv.num_blocks,
                    "block_size": self.kv.block_size, "kv_heads_per_rank": self.kv.kv_heads, "dtype": self.kv.dtype,
                    "packed": self.kv.packed, "allocation_shape": self.kv.allocation_shape,
@@ -153,12 +254,16 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
     t = recipe.topology
     d = Dims.of(cfg, tp=t.tp, ep=t.ep, vtp=t.vtp)
     ranks = [topology.coords(r, t.tp, t.vtp) for r in range(t.world)]
-    specs = arg_specs(d, recipe.experts)
-    counts = {"shared": 1, "attn": t.tp, "expert": t.ep, "tail": t.vtp}
+    emb = recipe.decode.embedding
+    specs = arg_specs(d, recipe.experts, emb, recipe.decode.rope, t.world)
+    counts = {"shared": 1, "attn": t.tp, "expert": t.ep, "tail": t.vtp,
+              "embed": {"host": 1, "vocab": t.world, "hidden": t.tp}[emb]}
     member = {"shared": lambda c, i: True, "attn": lambda c, i: c.tp == i,
-              "expert": lambda c, i: c.ep == i, "tail": lambda c, i: c.vtp == i}
-    files = [ShardFile(shard_path(role, i), role, i, tuple(specs[role]),
-                       tuple(c.rank for c in ranks if member[role](c, i)))
+              "expert": lambda c, i: c.ep == i, "tail": lambda c, i: c.vtp == i,
+              "embed": {"host": lambda c, i: True, "vocab": lambda c, i: c.rank == i,
+                        "hidden": lambda c, i: c.tp == i}[emb]}
+    files = [ShardFile(shard_path(role, i, emb), role, i, tuple(specs[role]),
+                       tuple(c.rank for c in ranks if member[role](c, i)), device=(role, emb) != ("embed", "host"))
              for role in ROLES for i in range(counts[role])]
     kvc = recipe.kv_cache
     where = recipe.path or "recipe"
@@ -166,22 +271,16 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                            block_size=kvc.block_size, head_dim=cfg.d, dtype=recipe.kv_dtype,
                            itemsize=dtype_of(recipe.kv_dtype).itemsize, packed=kvc.packed)
     cap = kv.max_num_blocks()
-    weights = sum(f.nbytes for f in files if 0 in f.ranks)
-    if kvc.num_blocks is None:
-        usable = kvc.hbm_per_rank_gib * 2**30 * kvc.memory_utilization
-        fit = kvlayout.budget_blocks(kv.entries * 2 * kv.block_bytes, usable, weights, where)
-        budget = {"mode": "hbm", "hbm_per_rank_bytes": int(kvc.hbm_per_rank_gib * 2**30),
-                  "usable_bytes": int(usable), "weight_bytes": weights, "fits_blocks": fit,
-                  "dma_cap_blocks": cap, "capped_by_dma": fit > cap}
-        kv = dataclasses.replace(kv, num_blocks=min(fit, cap))
-    else:
-        budget = {"mode": "given", "weight_bytes": weights, "dma_cap_blocks": cap}
-        if kvc.num_blocks > cap:
-            lift = (f"; kv_cache.form: per_buffer lifts it to {kv.max_num_blocks('per_buffer'):,}"
-                    if kvc.form == "stacked" else "")
-            raise GkError(f"{where}: kv_cache.num_blocks: {kvc.num_blocks:,} blocks exceed the uint32 DMA offset cap "
-                          f"of {cap:,} for the {kvc.form} form (2^32 / ({kv.dma_span_entries} entries x "
-                          f"{kv.block_bytes} bytes a block)){lift}")
+    weights = max(sum(f.nbytes for f in files if f.device and c.rank in f.ranks) for c in ranks)
+    budget = kv_budget(recipe, kv.entries * 2 * kv.block_bytes, weights, sum(f.nbytes for f in files if not f.device),
+                       cap)
+    kv = dataclasses.replace(kv, num_blocks=budget["num_blocks"])
+    if kvc.num_blocks is not None and kvc.num_blocks > cap:
+        lift = (f"; kv_cache.form: per_buffer lifts it to {kv.max_num_blocks('per_buffer'):,}"
+                if kvc.form == "stacked" else "")
+        raise GkError(f"{where}: kv_cache.num_blocks: {kvc.num_blocks:,} blocks exceed the uint32 DMA offset cap "
+                      f"of {cap:,} for the {kvc.form} form (2^32 / ({kv.dma_span_entries} entries x "
+                      f"{kv.block_bytes} bytes a block)){lift}")
     fp8 = kvc.dtype == "fp8"
     scalars = {
         "num_layers": cfg.L, "tp_size": t.tp, "ep_size": t.ep, "top_k": cfg.top_k,
@@ -197,7 +296,12 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
         "rope": {"theta": cfg.rope.theta, "factor": cfg.rope.factor, "beta_fast": cfg.rope.beta_fast,
                  "beta_slow": cfg.rope.beta_slow,
                  "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
-                 "truncate": cfg.rope.truncate, "concentration": cfg.rope.concentration},
+                 "truncate": cfg.rope.truncate, "concentration": cfg.rope.concentration,
+                 "mode": recipe.decode.rope},
+        # the fused-RoPE kernel scalar (cos and sin are multiplied by it); None when the host passes cos/sin
+        "rope_concentration": cfg.rope.concentration if recipe.decode.rope == "fused" else None,
+        "embedding": {"placement": emb, **({"rows_per_rank": embedding.vocab_rows(d.V, t.world)} if emb == "vocab"
+                                           else {"lanes_per_rank": d.Hp // t.tp} if emb == "hidden" else {})},
         "batch": {str(b): {"B": b, "B_attn": b // t.dp, "T_shard": b // t.world, "T_ep": b, "R": b // t.vtp}
                   for b in recipe.decode.batch_sizes},
     }
@@ -207,3 +311,29 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                  "hop_meshes": tail.compose_hops(t.vtp, hops)}
     meshes = {"tp_replica_group": topology.tp_mesh(t.tp, t.dp), "ep_replica_group": topology.ep_mesh(t.world)}
     return Plan(recipe, cfg, d, files, ranks, kv, scalars, tail_meta, meshes, budget)
+
+
+def kv_budget(recipe: Recipe, per_block: int, device_weights: int, host_bytes: int, dma_cap: int) -> dict:
+    """The KV budget's inputs and result. Budget mode: weights + KV fill at most
+    hbm_per_rank x memory_utilization, and the reserve for the compiled programs and scratch must
+    fit in what is left of the HBM (when it does not, it comes out of the KV); the uint32 DMA offset
+    caps the blocks. Only device bytes count: host-side files (``host_bytes``) are reported, never
+    charged."""
+    kvc = recipe.kv_cache
+    reserve = int(kvc.device_reserve_gib * 2**30)
+    b = {"mode": "given" if kvc.num_blocks is not None else "hbm", "reserve_bytes": reserve,
+         "device_weight_bytes": device_weights, "host_bytes": host_bytes, "per_block_bytes": per_block,
+         "dma_cap_blocks": dma_cap}
+    num_blocks = kvc.num_blocks
+    if num_blocks is None:
+        hbm = int(kvc.hbm_per_rank_gib * 2**30)
+        usable = min(int(hbm * kvc.memory_utilization), hbm - reserve)
+        fit = kvlayout.budget_blocks(per_block, usable, device_weights, reserve, recipe.path or "recipe")
+        num_blocks = min(fit, dma_cap)
+        b.update(hbm_per_rank_bytes=hbm, memory_utilization=kvc.memory_utilization, usable_bytes=usable,
+                 fits_blocks=fit, capped_by_dma=fit > dma_cap)
+    kv_bytes = num_blocks * per_block
+    b.update(num_blocks=num_blocks, kv_bytes=kv_bytes, device_bytes=device_weights + kv_bytes + reserve)
+    if "hbm_per_rank_bytes" in b:
+        b["free_bytes"] = b["hbm_per_rank_bytes"] - b["device_bytes"]
+    return b

@@ -23,6 +23,7 @@ import yaml
 
 from .errors import GkError, shown
 from .layout.tail import batch_groups_refusal
+from .layout.dims import MX_TILE, pad_to
 from .model import FULL, SLIDING, GptOssConfig
 
 TARGETS = ("trn2", "trn3", "cpu", "cuda")
@@ -39,6 +40,13 @@ KV_UPDATE_SWITCH = "VLLM_NEURON_MEGA_KV_UPDATE=1"
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _SWITCH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=.*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+EMBEDDINGS = ("host", "vocab", "hidden")
+ROPE_MODES = ("host", "fused")
+# HBM a rank holds back for what is not a tensor of the plan: the decode and tail NEFFs (instruction
+# streams and DMA descriptors of 36 unrolled layers), their HBM scratch (collective staging, gathered
+# activations) and the Neuron runtime's own per-core allocations. An estimate, not a measurement:
+# replace it with what neuron-monitor reports for the compiled programs on a Trainium host.
+DEFAULT_DEVICE_RESERVE_GIB = 1.0
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -73,6 +81,9 @@ class KVCache:
     num_blocks: typing.Optional[int] = _f(None, "blocks per buffer; or give hbm_per_rank_gib + memory_utilization")
     hbm_per_rank_gib: typing.Optional[float] = _f(None, "device memory per rank, GiB (budget mode)")
     memory_utilization: typing.Optional[float] = _f(None, "fraction of hbm_per_rank_gib usable (budget mode)")
+    device_reserve_gib: float = _f(DEFAULT_DEVICE_RESERVE_GIB, "device memory per rank held back for the compiled "
+                                   "programs and their scratch, GiB: it comes out of what memory_utilization leaves "
+                                   "free, else out of the KV")
     k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale); folded into softmax_scale")
     v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale); folded into W_out")
 
@@ -81,6 +92,11 @@ class KVCache:
 class Decode:
     batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
     max_context: int = _f(4096, "longest sequence a step attends to: the full block table's width in tokens")
+    embedding: str = _f("host", "where tokens are embedded: host (the runtime, from a host-side table), vocab "
+                                "(the kernel's fused prologue, V/W x Hp a rank) or hidden (V x Hp/TP a TP rank)",
+                        EMBEDDINGS)
+    rope: str = _f("host", "RoPE: host (the runtime passes cos/sin) or fused (the kernel takes inv_freq, d/2 x 1 "
+                           "fp32, and rope_concentration)", ROPE_MODES)
 
 
 @dataclass
@@ -204,6 +220,13 @@ class Recipe:
                 bad("kv_cache.hbm_per_rank_gib", kv.hbm_per_rank_gib, "expected a positive size in GiB")
             if not 0 < kv.memory_utilization <= 1:
                 bad("kv_cache.memory_utilization", kv.memory_utilization, "expected a fraction in (0, 1]")
+        if kv.device_reserve_gib < 0:
+            bad("kv_cache.device_reserve_gib", kv.device_reserve_gib, "expected a size in GiB, 0 or more")
+        if self.target not in NEURON_TARGETS:
+            for key, v in (("decode.embedding", self.decode.embedding), ("decode.rope", self.decode.rope)):
+                if v != "host":
+                    bad(key, v, f"the {self.target} programs take the embedded x and cos/sin; use host "
+                                f"(fused forms are the GK decode's, trn2/trn3)")
         if kv.k_scale <= 0 or kv.v_scale <= 0:
             bad("kv_cache.k_scale/v_scale", (kv.k_scale, kv.v_scale), "scales must be positive")
         self._validate_compile(bad)
@@ -250,6 +273,10 @@ class Recipe:
         if cfg.kv_heads % t.tp and t.tp % cfg.kv_heads:
             raise GkError(f"{where}: topology.tp: {t.tp} neither divides nor is a multiple of the "
                           f"{cfg.kv_heads} KV heads")
+        hp = pad_to(cfg.H, MX_TILE)
+        if self.decode.embedding == "hidden" and hp % t.tp:
+            raise GkError(f"{where}: decode.embedding: hidden: tp {t.tp} does not divide the {hp} padded hidden "
+                          f"lanes; use vocab or host")
         if cfg.E % t.ep:
             raise GkError(f"{where}: topology.ep: {t.ep} does not divide the {cfg.E} experts; "
                           f"valid: {divisors(cfg.E)}")

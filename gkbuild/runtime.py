@@ -1,5 +1,5 @@
-"""What a runtime calls: open a build by its manifest, load one rank's tensors zero-copy, allocate
-that rank's KV buffers.
+"""What a runtime calls: open a build by its manifest, load one rank's device tensors (and the
+host-side ones the runtime itself uses) zero-copy, allocate that rank's KV buffers.
 
 ``Build.open`` refuses a manifest it cannot honour before any byte of a shard is touched: an
 unknown schema version, another target, a world size the caller does not have, another build than
@@ -190,11 +190,19 @@ class Build:
         return self._maps[rel]
 
     def load_rank(self, rank: int) -> dict:
-        """{argument name: torch tensor} for one rank, sharing the mapped file pages."""
+        """{argument name: torch tensor} of what one rank's device programs read, sharing the
+        mapped file pages."""
+        return self._load(self.rank_info(rank)["loads"])
+
+    def load_host(self) -> dict:
+        """{name: torch tensor} of the host-side files (the embedding table when the runtime embeds)."""
+        return self._load(self.manifest["host_files"])
+
+    def _load(self, loads: list[dict]) -> dict:
         import torch
 
         out = {}
-        for load in self.rank_info(rank)["loads"]:
+        for load in loads:
             mapped = self._mapped(load["file"])
             for name in load["tensors"]:
                 info = mapped.header.tensors[name]

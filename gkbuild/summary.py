@@ -71,6 +71,26 @@ def checkpoint_table(s: dict) -> list:
     return out
 
 
+def device_table(groups: list[dict], budget: dict, host_files: list[dict]) -> list:
+    """Per-rank device memory (ranks with equal figures on one row): the weights each rank's programs
+    read by file role, the KV buffers, the reserve, the total; then the host-only files apart."""
+    roles = [r for r in ("shared", "attn", "expert", "tail", "embed") if any(r in g["weights_by_role"] for g in groups)]
+    hbm = budget.get("hbm_per_rank_bytes")
+    t = Table(title="device memory per rank" + (f" (of {human_bytes(hbm)} HBM)" if hbm else ""), title_justify="left")
+    for c in ["ranks", *roles, "weights", "KV", "reserve", "total"] + (["free"] if hbm else []):
+        t.add_column(c, justify="left" if c == "ranks" else "right")
+    for g in groups:
+        t.add_row(g["ranks"], *(human_bytes(g["weights_by_role"].get(r, 0)) for r in roles),
+                  human_bytes(g["weights_bytes"]), human_bytes(g["kv_bytes"]), human_bytes(g["reserve_bytes"]),
+                  human_bytes(g["total_bytes"]), *([human_bytes(hbm - g["total_bytes"])] if hbm else []))
+    out = [t]
+    for h in host_files:
+        size = human_bytes(h["bytes"]) if h.get("bytes") is not None else "?"
+        out.append(f"host-only (not in device memory): {h['file']} {size}, {', '.join(h['tensors'])}, "
+                   f"used by the {h['program']} program's runtime")
+    return out
+
+
 def plan_tables(plan) -> list:
     """The plan as a user reads it: each file kind, what a rank loads, the KV budget."""
     j = plan.to_json()
@@ -97,16 +117,14 @@ def plan_tables(plan) -> list:
     dma = kv["dma"]
     budget = kv["budget"]
     rows = [
-        ("weights per rank", human_bytes(j["bytes_per_rank"])),
+        ("device weights per rank", human_bytes(j["bytes_per_rank"])),
+        ("host-only bytes", human_bytes(j["host_bytes"])),
         ("weights on disk (deduplicated)", human_bytes(j["disk_bytes"])),
+        ("embedding / RoPE", f"{j['embedding']} / {j['rope']}"),
         ("KV cache", f"{kv['form']}: {kv['allocations']} x {kv['allocation_shape']} {kv['dtype']}"
                      + (f", K entry packed {kv['k_entry_shape']}" if kv["packed"] else "")),
         ("KV bytes per rank", f"{kv['bytes_per_rank']:,} ({human_bytes(kv['bytes_per_rank'])})"),
-        ("KV budget", f"{kv['num_blocks']:,} blocks ({budget['mode']}"
-                      + (f": {human_bytes(budget['usable_bytes'])} usable - {human_bytes(budget['weight_bytes'])}"
-                         f" weights" + (f", capped by the DMA limit from {budget['fits_blocks']:,}"
-                                        if budget["capped_by_dma"] else "") + ")"
-                         if budget["mode"] == "hbm" else ")")),
+        ("KV budget", budget_line(budget)),
         ("DMA offset check", f"{'ok' if dma['fits'] else 'OVER'}: one DMA base spans "
                              f"{human_bytes(dma['span_bytes'])} of 4 GiB; at most {dma['max_num_blocks']:,} blocks "
                              f"in this form (stacked {dma['max_num_blocks_stacked']:,}, per-buffer "
@@ -117,7 +135,18 @@ def plan_tables(plan) -> list:
     for k, v in rows:
         facts.add_row(k, v)
     out.append(facts)
+    out += device_table(j["device_memory"], budget, j["host_files"])
     return out
+
+
+def budget_line(b: dict) -> str:
+    if b["mode"] == "given":
+        return f"{b['num_blocks']:,} blocks (given); device reserve {human_bytes(b['reserve_bytes'])}"
+    capped = f", capped by the DMA limit from {b['fits_blocks']:,}" if b["capped_by_dma"] else ""
+    return (f"{b['num_blocks']:,} blocks (hbm: {human_bytes(b['usable_bytes'])} usable of "
+            f"{human_bytes(b['hbm_per_rank_bytes'])} at memory_utilization {b['memory_utilization']} and a "
+            f"{human_bytes(b['reserve_bytes'])} reserve - {human_bytes(b['device_weight_bytes'])} device weights"
+            f"{capped}; host-only bytes not charged)")
 
 
 def build_tables(s: dict) -> list:
@@ -133,9 +162,11 @@ def build_tables(s: dict) -> list:
                   f"hops {t['hops']})"),
         ("source", s["source"].get("uri", "")),
         ("files", f"{s['files']} ({human_bytes(s['bytes'])} on disk)"),
-        ("per rank", human_bytes(s["bytes_per_rank"])),
+        ("device weights per rank", human_bytes(s["bytes_per_rank"])),
+        ("embedding / RoPE", f"{s['embedding']} / {s['rope']}"),
         ("KV", f"{kv['form']} {kv['allocation_shape']} {kv['dtype']}{' packed K' if kv['packed'] else ''}, "
                f"{kv['num_blocks']} blocks, {human_bytes(kv['bytes_per_rank'])} a rank"),
+        ("KV budget", budget_line(kv["budget"])),
         ("tail", f"vocab {s['tail']['vocab_per_rank']} a rank, k {s['tail']['k']}"),
         ("compile", f"{s['compile']['status']} ({s['compile']['artifacts']} artifacts)"),
     ]
@@ -151,4 +182,4 @@ def build_tables(s: dict) -> list:
     stages.add_column("cache")
     for st in s["stages"]:
         stages.add_row(st["name"], "[green]up to date[/]" if st["cached"] else "[yellow]stale or unknown[/]")
-    return [head, roles, stages]
+    return [head, roles, *device_table(s["device_memory"], kv["budget"], s["host_files"]), stages]

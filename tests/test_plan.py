@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import math
 import shutil
 
 import pytest
@@ -6,7 +8,7 @@ import pytest
 from gkbuild import recipe
 from gkbuild.errors import GkError
 from gkbuild.model import preset
-from gkbuild.plan import make_plan
+from gkbuild.plan import make_plan, rank_ranges
 from tests.conftest import RECIPES, run_cli
 
 
@@ -58,14 +60,16 @@ def test_tiny_topology_mirrors_120b_per_rank():
         assert (tiny.dims.q_l, tiny.dims.kv_l, tiny.dims.E_L) == (big.dims.q_l, big.dims.kv_l, big.dims.E_L) == \
             (8, 1, 1)
         assert [f.role for f in tiny.files_of(rank)] == ["shared", "attn", "expert", "tail"]
-    assert {f.role: len(f.ranks) for f in tiny.files} == {"shared": 128, "attn": 16, "expert": 1, "tail": 1}
+    assert {f.role: len(f.ranks) for f in tiny.files} == {"shared": 128, "attn": 16, "expert": 1, "tail": 1,
+                                                          "embed": 128}
+    assert [f.path for f in tiny.host_files] == ["weights/embed-host.safetensors"]
     assert len([f for f in tiny.files if f.role == "attn"]) == 8  # DP replicas share one file
     assert tiny.meshes["tp_replica_group"][1] == tuple(range(8, 16))
 
 
 def test_files_are_unique_and_dedup():
     p = _plan("gpt-oss-120b-trn2")
-    assert len({f.path for f in p.files}) == len(p.files) == 1 + 8 + 128 + 128
+    assert len({f.path for f in p.files}) == len(p.files) == 1 + 8 + 128 + 128 + 1
     assert p.disk_bytes < p.weight_bytes(0) * p.world
 
 
@@ -75,8 +79,9 @@ def test_files_are_unique_and_dedup():
     ({"topology.tp": 8, "topology.dp": 3, "topology.ep": 24, "topology.vtp": 24, "topology.hops": "[24]",
       "decode.batch_sizes": "[24]"}, r"topology.ep: 24 does not divide the 128 experts"),
     ({"topology.hops": "[4, 16]"}, r"hop sizes must multiply to vtp = 128"),
-    ({"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 2, "kv_cache.memory_utilization": 0.9},
-     r"the KV budget does not fit: 1.93 GiB of weights per rank leave 0.00 GiB of 1.80 GiB usable"),
+    ({"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 1.5, "kv_cache.memory_utilization": 0.9},
+     r"the KV budget does not fit: 0.78 GiB of device weights per rank leave 0.00 GiB of 0.50 GiB usable "
+     r"\(memory_utilization, and a 1.00 GiB device reserve\)"),
     ({"kv_cache.num_blocks": 14564}, r"exceed the uint32 DMA offset cap of 14,563 for the stacked form .*"
                                      r"per_buffer lifts it to 524,288"),
     ({"kv_cache.num_blocks": 600000, "kv_cache.form": "per_buffer"}, r"cap of 524,288 for the per_buffer form"),
@@ -90,13 +95,101 @@ def test_budget_mode():
     p = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                        "kv_cache.memory_utilization": 0.9})
     j = p.to_json()["kv"]
-    usable = int(24 * 2**30 * 0.9)
+    usable = int(24 * 2**30 * 0.9)  # the 1 GiB reserve fits in the 2.4 GiB memory_utilization leaves
     fit = (usable - p.weight_bytes(0)) // (36 * 2 * 8192)  # stacked: an entry a layer
     assert j["num_blocks"] == min(fit, 14563) and j["budget"]["mode"] == "hbm"
     assert j["budget"]["fits_blocks"] == fit and j["budget"]["capped_by_dma"] == (fit > 14563)
     pb = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                         "kv_cache.memory_utilization": 0.9, "kv_cache.form": "per_buffer"})
-    assert pb.to_json()["kv"]["num_blocks"] == (usable - pb.weight_bytes(0)) // (18 * 2 * 8192)
+    per_block = 18 * 2 * 8192
+    assert pb.to_json()["kv"]["num_blocks"] == (usable - pb.weight_bytes(0)) // per_block
+    b = pb.to_json()["kv"]["budget"]
+    assert b["mode"] == "hbm" and b["usable_bytes"] == usable and b["reserve_bytes"] == 2**30
+    assert b["device_bytes"] == pb.weight_bytes(0) + pb.kv.bytes_per_rank + 2**30 <= 24 * 2**30
+    assert b["host_bytes"] == 201088 * 3072 * 2  # reported, not charged
+    # a reserve larger than what memory_utilization leaves free comes out of the KV
+    big = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
+                                         "kv_cache.memory_utilization": 0.9, "kv_cache.device_reserve_gib": 4,
+                                         "kv_cache.form": "per_buffer"})
+    assert big.kv.num_blocks == (20 * 2**30 - big.weight_bytes(0)) // per_block
+
+
+# gpt-oss-20b-trn2 as planned before the embedding left the device (main at 0b55ba7): every rank was
+# charged the replicated [201088, 3072] bf16 table, 1.69 GiB of "weights per rank" in all. Per-buffer
+# KV: 49,771 blocks; stacked KV (the default): 24,885 blocks fit, capped at 21,845 by the DMA offset.
+BLOCKS_BEFORE_20B = {"per_buffer": 49_771, "stacked": 24_885}
+
+
+@pytest.mark.parametrize("form", ["per_buffer", "stacked"])
+def test_budget_on_20b_gains_at_least_the_embedding(form):
+    p = _plan("gpt-oss-20b-trn2", **{"kv_cache.form": form})
+    embedding = 201088 * 3072 * 2
+    b = p.budget
+    before, after = BLOCKS_BEFORE_20B[form], b["fits_blocks"]
+    assert after - before >= embedding // b["per_block_bytes"], \
+        f"{form}: before {before} blocks, after {after} blocks; gained {after - before}, the embedding is " \
+        f"{embedding // b['per_block_bytes']} blocks"
+    assert p.weight_bytes(0) == 1_811_025_792 - embedding
+    if form == "per_buffer":
+        assert p.kv.num_blocks == after
+    else:  # the stacked tensors' uint32 DMA offset binds first: the freed HBM stays free
+        assert b["capped_by_dma"] and p.kv.num_blocks == b["dma_cap_blocks"] == 21_845
+        assert b["free_bytes"] >= embedding
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b-trn2", "gpt-oss-20b-trn2", "tiny-topology-trn2"])
+@pytest.mark.parametrize("placement", ["host", "vocab", "hidden"])
+def test_no_rank_loads_the_full_embedding(name, placement):
+    p = _plan(name, **{"decode.embedding": placement})
+    V, Hp, W, tp = p.dims.V, p.dims.Hp, p.world, p.dims.tp
+    for c in p.ranks:
+        tensors = p.rank_tensors(c.rank)
+        assert "embed_tokens" not in tensors
+        assert all(s.shape != (V, Hp) for _, s in tensors.values())
+        if placement == "host":
+            assert "embed_weight" not in tensors
+        else:
+            path, spec = tensors["embed_weight"]
+            assert spec.shape == ((-(-V // W), Hp) if placement == "vocab" else (V, Hp // tp))
+            assert path == (f"weights/embed-v{c.rank:03d}.safetensors" if placement == "vocab"
+                            else f"weights/embed-tp{c.tp}.safetensors")
+    emb_bytes = {"host": 0, "vocab": -(-V // W) * Hp * 2, "hidden": V * Hp // tp * 2}[placement]
+    mem = p.device_memory(0)
+    assert mem["weights_by_role"].get("embed", 0) == emb_bytes
+    assert mem["total_bytes"] == mem["weights_bytes"] + mem["kv_bytes"] + mem["reserve_bytes"]
+    assert p.host_bytes == (V * Hp * 2 if placement == "host" else 0)
+    groups = p.device_memory_groups()
+    assert sorted(r for g in groups for r in g["ranks"]) == list(range(W))
+
+
+def test_fused_inputs_describe_what_the_kernel_takes():
+    p = _plan("gpt-oss-120b-trn2", **{"decode.embedding": "vocab", "decode.rope": "fused"})
+    got = {i["name"]: i for i in p.fused_inputs(5)}
+    assert got["embed_weight"]["shape"] == [1571, 3072]
+    assert got["embed_weight"]["file"] == "weights/embed-v005.safetensors"
+    assert got["embed_ids"]["kind"] == "control" and got["embed_ids"]["replaces"] == "x_shard"
+    assert "[7855, 9426)" in got["embed_ids"]["rule"]
+    assert got["inv_freq"] == {"name": "inv_freq", "kind": "weight", "shape": [32, 1], "dtype": "fp32",
+                               "file": "weights/shared.safetensors", "replaces": "cos, sin"}
+    assert got["rope_concentration"]["value"] == pytest.approx(0.1 * math.log(32) + 1)
+    h = {i["name"]: i for i in _plan("gpt-oss-120b-trn2", **{"decode.embedding": "hidden"}).fused_inputs(13)}
+    assert h["embed_weight"]["shape"] == [201088, 384] and h["embed_weight"]["file"] == "weights/embed-tp5.safetensors"
+    assert h["embed_ids"]["shape"] == ["B_attn"] and "inv_freq" not in h
+    assert _plan("gpt-oss-120b-trn2").fused_inputs(0) == []
+
+
+def test_placements_the_programs_cannot_take_are_refused():
+    with pytest.raises(GkError, match=r"decode.embedding: 'vocab' is not valid; the cpu programs take the embedded"):
+        recipe.load(RECIPES / "tiny-cpu.yaml", ["decode.embedding=vocab"])
+    with pytest.raises(GkError, match=r"decode.rope: 'fused' is not valid"):
+        recipe.load(RECIPES / "tiny-cpu.yaml", ["decode.rope=fused"])
+    with pytest.raises(GkError, match=r"decode.embedding: 'rows' is not one of host, vocab, hidden"):
+        recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["decode.embedding=rows"])
+    cfg = dataclasses.replace(preset("tiny"), num_attention_heads=12, num_key_value_heads=3)
+    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", [
+        "topology={tp: 3, dp: 1, ep: 3, lnc: 1, vtp: 3}", "decode.batch_sizes=[3]", "decode.embedding=hidden"])
+    with pytest.raises(GkError, match=r"decode.embedding: hidden: tp 3 does not divide the 1024 padded hidden lanes"):
+        make_plan(r, cfg)
 
 
 def test_plan_cli_against_a_hub_cache(tmp_path):
@@ -126,3 +219,9 @@ def test_plan_cli_tables_and_errors():
     assert r.returncode == 0 and "expert_gate_up_weights" in r.stdout and "DMA offset check" in r.stdout
     r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "topology.tpp=4")
     assert r.returncode == 1 and "did you mean 'topology.tp'" in r.stderr
+
+
+def test_rank_ranges():
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert rank_ranges([8, 7, 0]) == "0, 7-8"
+    assert rank_ranges([]) == ""

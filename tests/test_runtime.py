@@ -29,7 +29,12 @@ def test_load_rank_zero_copy(built):
     assert t["router_weights"].dtype == torch.float16 and t["gamma"].dtype == torch.float32
     # zero-copy: two loads of the shared file see the same pages
     t2 = b.load_rank(7)
-    assert t["embed_tokens"].data_ptr() == t2["embed_tokens"].data_ptr()
+    assert t["router_weights"].data_ptr() == t2["router_weights"].data_ptr()
+    # the embedding table is the runtime's, on the host: no rank's device load set has it
+    assert "embed_tokens" not in t and "embed_weight" not in t
+    host = b.load_host()
+    assert set(host) == {"embed_tokens"} and tuple(host["embed_tokens"].shape) == (2048, 512)
+    assert host["embed_tokens"].dtype == torch.bfloat16
     # copy-on-write: writing a loaded tensor never touches the file
     before = (built / "weights/tail-v042.safetensors").read_bytes()
     t["lm_head_weight_t"].add_(1)

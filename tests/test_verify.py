@@ -10,7 +10,8 @@ from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.errors import GkError
 from gkbuild.golden import Golden, default_prompts, for_checkpoint
 from gkbuild.kernels.decode import RoutingGuide, route
-from gkbuild.layout import attention, experts_mx, hidden
+from gkbuild.runtime import Build
+from gkbuild.layout import attention, embedding, experts_mx, hidden
 from gkbuild.layout import kv as kvlayout
 from gkbuild.reference import KvFormat
 from tests import faults
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TP2 = ["target=trn2", "topology.tp=2", "topology.ep=2", "topology.vtp=2", "decode.batch_sizes=[4]"]
 FP8 = ["kv_cache.dtype=fp8", "kv_cache.packed=true"]
+VOCAB_FUSED = ["decode.embedding=vocab", "decode.rope=fused"]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def _build(tmp_path, name, sets=(), recipe_file="tiny-cpu.yaml"):
     return out
 
 
-@pytest.mark.parametrize("sets", [[], FP8, ["experts=bf16"], TP2], ids=["bf16-kv", "packed-fp8-kv", "bf16-experts",
-                                                                       "tp2"])
+@pytest.mark.parametrize("sets", [[], FP8, ["experts=bf16"], TP2, TP2 + VOCAB_FUSED, TP2 + ["decode.embedding=hidden"]],
+                         ids=["bf16-kv", "packed-fp8-kv", "bf16-experts", "tp2", "tp2-vocab-fused-rope", "tp2-hidden"])
 def test_tiny_builds_pass_tightly(tmp_path, tiny_golden, tiny_golden_fp8, sets):
     golden = tiny_golden_fp8 if "kv_cache.dtype=fp8" in sets else tiny_golden
     rep = verify.run(_build(tmp_path, "b", sets), golden=golden)
@@ -103,11 +105,38 @@ def test_tiny_topology_passes_tightly_emulated_over_128_ranks(tmp_path, sets):
     assert rep.max_abs_err <= 0.05 and rep.routing_forced <= 0.02 * rep.routing_total
 
 
+@pytest.mark.slow
+def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_path):
+    """host/host is the test above; here the kernel's fused forms (vocab-sharded embedding through
+    the reduce-scatter, hidden-sharded through the TP all-to-all, fused RoPE from inv_freq) over all
+    128 emulated ranks. Every form is exact, so the reports are the same to the last bit."""
+    golden, reports = None, {}
+    for sets in (["decode.embedding=vocab", "decode.rope=fused"], ["decode.embedding=hidden"], ["decode.rope=fused"]):
+        out = _build(tmp_path, "-".join(sets), sets, "tiny-topology-trn2.yaml")
+        if golden is None:  # one golden (4 steps) in the builds' KV format, shared
+            golden = for_checkpoint(materialize(parse("synth://tiny-topology?layers=2&seed=0")),
+                                    default_prompts(2048, 4, 4), 4, verify.build_kv(Build.open(out).manifest))
+        rep = verify.run(out, golden=golden)
+        assert rep.ok and rep.kv == "tight", (sets, rep.to_dict())
+        assert len(rep.steps) == 8
+        reports[" ".join(sets)] = rep.to_dict()
+    first = next(iter(reports.values()))
+    assert all(r == first for r in reports.values()), reports
+
+
 def test_swapped_tp_shards_fail_at_layer_0(tmp_path, tiny_golden, monkeypatch):
     orig = attention.qkv
     monkeypatch.setattr(attention, "qkv", lambda dims, t, *a: orig(dims, 1 - t, *a))
     out = _build(tmp_path, "swap", TP2)
     monkeypatch.undo()
+    rep = verify.run(out, golden=tiny_golden)
+    assert not rep.ok and rep.first_bad_layer == 0
+
+
+def test_a_wrong_vocab_owner_rule_fails_at_layer_0(tmp_path, tiny_golden, monkeypatch):
+    out = _build(tmp_path, "vocab", TP2 + VOCAB_FUSED)
+    orig = embedding.local_ids
+    monkeypatch.setattr(embedding, "local_ids", lambda ids, rank, rows: orig(ids, 1 - rank, rows))
     rep = verify.run(out, golden=tiny_golden)
     assert not rep.ok and rep.first_bad_layer == 0
 

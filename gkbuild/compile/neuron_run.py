@@ -104,8 +104,8 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
             s["hop_meshes"] = tuple(ReplicaGroup(x) for x in s["hop_meshes"])
         return s
 
-    weights = {k: v.to(dev) for k, v in b.load_rank(rank).items() if k != "embed_tokens"}
-    embed = b.load_rank(rank)["embed_tokens"]
+    weights = {k: v.to(dev) for k, v in b.load_rank(rank).items()}
+    embed = b.load_host()["embed_tokens"]  # decode.embedding: host (the public kernel takes x_shard)
     kv = {k: v.to(dev) for k, v in b.allocate_kv().arguments().items()}
     P, T = g.token_ids.shape
     rows = torch.arange(batch) % P

@@ -1,6 +1,8 @@
 """The GK decode step for one rank, in plain PyTorch, reading the build's shard layouts.
 
-Per layer i (the giga-kernel's layer body, CONTRACT.md section 2):
+Before the layers, where the kernel embeds (decode.embedding vocab | hidden), its fused-embedding
+prologue (``embed``) makes x from token ids; otherwise the runtime passes x. Per layer i (the
+giga-kernel's layer body, CONTRACT.md section 2):
 
     X   = all_gather_tp(x)                              this DP replica's tokens
     a   = attention(rmsnorm(X)) @ W_out[i] + bias_out   QKV fused, YaRN RoPE, paged KV with
@@ -28,7 +30,7 @@ import torch
 
 from ..layout import hidden, kv as kvlayout
 from . import mx
-from .rope import apply as rope_apply
+from .rope import apply as rope_apply, fused_tables
 
 FP8_MAX = {"fp8_e4m3": 240.0, "fp8_e4m3fn": 448.0}
 
@@ -54,6 +56,8 @@ class Scalars:
     experts: str  # mxfp4 | bf16
     ep_rank: int
     experts_per_rank: int
+    rope: str = "host"  # host: cos/sin are inputs; fused: from inv_freq and the positions
+    rope_concentration: float | None = None
 
     @classmethod
     def of(cls, scalars: dict, kv_dtype: str, packed: bool, block_size: int, experts: str, experts_per_rank: int,
@@ -64,7 +68,8 @@ class Scalars:
                    gate_clamp_upper_limit=s["gate_clamp_upper_limit"], up_clamp_upper_limit=s["up_clamp_upper_limit"],
                    up_clamp_lower_limit=s["up_clamp_lower_limit"], k_scale=s["k_scale"], v_scale=s["v_scale"],
                    kv_dtype=kv_dtype, packed=packed, block_size=block_size, experts=experts, ep_rank=ep_rank,
-                   experts_per_rank=experts_per_rank)
+                   experts_per_rank=experts_per_rank, rope=s["rope"]["mode"],
+                   rope_concentration=s["rope_concentration"])
 
     @classmethod
     def from_manifest(cls, m: dict, ep_rank: int) -> "Scalars":
@@ -82,8 +87,8 @@ class Scalars:
 class Control:
     """Layer-invariant inputs for one step of one DP replica (B_attn rows)."""
 
-    cos: torch.Tensor  # [B, d/2]
-    sin: torch.Tensor
+    cos: torch.Tensor | None  # [B, d/2]; None with fused RoPE (the kernel computes them)
+    sin: torch.Tensor | None
     block_table: torch.Tensor  # [B, nbf] full-attention layers (odd)
     block_table_swa: torch.Tensor  # [B, num_swa] trimmed, sliding layers (even)
     pos: torch.Tensor  # [B] absolute position of the new token
@@ -111,7 +116,9 @@ def attention(t: dict, i: int, X: torch.Tensor, K_half, V_half, ctl: Control, sc
     q = qkv[:, :q_l * d].reshape(B, q_l, d)
     k = qkv[:, q_l * d:(q_l + kv_l) * d].reshape(B, kv_l, d)
     v = qkv[:, (q_l + kv_l) * d:].reshape(B, kv_l, d)
-    q, k = rope_apply(q, ctl.cos, ctl.sin), rope_apply(k, ctl.cos, ctl.sin)
+    cos, sin = ((ctl.cos, ctl.sin) if sc.rope == "host"
+                else fused_tables(ctl.pos, t["inv_freq"], sc.rope_concentration))
+    q, k = rope_apply(q, cos, sin), rope_apply(k, cos, sin)
     fp8 = FP8_MAX.get(sc.kv_dtype)
     if fp8:  # the kernel's quantize multipliers
         k, v = (k * sc.k_scale).clamp(-fp8, fp8), (v * sc.v_scale).clamp(-fp8, fp8)
@@ -259,6 +266,19 @@ def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide |
 def _copy(guide: RoutingGuide | None) -> RoutingGuide | None:
     """Every EP rank routes every token the same way; only rank 0 counts the forced choices."""
     return None if guide is None else RoutingGuide(guide.experts, guide.gap, guide.tol)
+
+
+def embed(weight: torch.Tensor, ids: torch.Tensor, placement: str, comm) -> torch.Tensor:
+    """The fused-embedding prologue: this rank's x [T_shard, Hp] float32 from its embedding shard.
+
+    vocab: ``weight`` [V/W, Hp], ``ids`` [B] local rows of every token of the batch (-1: another
+    rank's); the rows this rank owns, zeros elsewhere, reduce-scattered over every rank (one
+    non-zero term a token: exact). hidden: ``weight`` [V, Hp/TP], ``ids`` [B_attn] global ids of
+    this DP replica's tokens; an all-to-all over the TP group trades lanes for tokens."""
+    if placement == "vocab":
+        rows = torch.where((ids >= 0)[:, None], weight[ids.clamp(min=0)].float(), 0.0)  # not 0 * row: NaN rows
+        return comm.reduce_scatter(rows, "ep")
+    return comm.all_to_all(weight[ids].float(), "tp")
 
 
 def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens: list | None = None,

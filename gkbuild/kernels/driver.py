@@ -7,10 +7,13 @@ driver builds what a runtime passes to the kernel, per DP replica:
   block for every position; sliding layers keep theirs only while inside the window and free them
   after (vLLM's hybrid manager), so the pool is reused and the trimmed SWA table is exercised;
 - the trimmed SWA table (the window's blocks) with positions in its frame;
-- absolute positions, the two KV update indices (flat slots), YaRN cos/sin.
+- absolute positions, the two KV update indices (flat slots), YaRN cos/sin (decode.rope host);
+- the tokens: embedded here from the host-side table (decode.embedding host), or as the ids the
+  kernel's fused embedding takes (vocab: every token's local row on each rank, -1 where not owned;
+  hidden: the replica's global ids).
 
-Then every rank embeds its tokens, runs the decode step (collectives emulated across ranks when
-the world is larger than 1), gathers the batch for the tail, and the tail samples.
+Then every rank runs the decode step (collectives emulated across ranks when the world is larger
+than 1), gathers the batch for the tail, and the tail samples.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import GkError
-from ..layout import hidden as hidden_layout
+from ..layout import embedding as embedding_layout, hidden as hidden_layout
 from ..layout.tail import owned_rows
 from ..runtime import Build
 from . import decode, rope, tail
@@ -117,7 +120,7 @@ class Controls:
         upd = torch.tensor([blocks.full[r][lb] * bs + off for r in range(rows)])
         upd_swa = torch.tensor([blocks.swa[r][lb] * bs + off for r in range(rows)])
         positions = torch.full((rows,), pos, dtype=torch.int64)
-        cos, sin = rope.tables(positions, self.d, self.rope)
+        cos, sin = rope.tables(positions, self.d, self.rope) if self.rope["mode"] == "host" else (None, None)
         swa_start = torch.zeros(self.L, rows, dtype=torch.int64)
         swa_start[0::2] = first_visible - frame
         return decode.Control(cos=cos, sin=sin, block_table=full, block_table_swa=swa, pos=positions,
@@ -145,6 +148,8 @@ class Session:
         hp = m["scalars"]["hidden_padded"]
         self.build = build
         self.tensors = [build.load_rank(r) for r in range(self.world)]
+        self.host = build.load_host()
+        self.embedding = m["layout"]["embedding"]
         self.memo = decode.ExpertCache()  # dequantized experts, every rank's
         # ``compact_kv``: only the blocks this run reaches (the twins take any number; what a
         # compiled program or the kernel is handed keeps the build's shapes)
@@ -180,8 +185,7 @@ class Session:
 
         def rank_fn(r, comm):
             t, sc = self.tensors[r], self.scalars[r]
-            mine = tokens[r * self.t_shard:(r + 1) * self.t_shard]
-            x = t["embed_tokens"][mine].to(torch.float32)
+            x = self._embed(r, tokens, comm)
             hid = [] if collect_hiddens else None
             x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo)
             everything = comm.all_gather(x, "ep")
@@ -205,10 +209,22 @@ class Session:
             hiddens = [h[:, self.to_hf.argsort()][:, :self.H] for h in results[0][1]]
         return StepResult(logits, sampled, hiddens)
 
+    def _embed(self, r: int, tokens: torch.Tensor, comm) -> torch.Tensor:
+        """Rank r's x [T_shard, Hp]: gathered here from the host table, or by the kernel's prologue."""
+        placement = self.embedding["placement"]
+        if placement == "host":
+            return self.host["embed_tokens"][tokens[r * self.t_shard:(r + 1) * self.t_shard]].to(torch.float32)
+        if placement == "vocab":
+            ids = embedding_layout.local_ids(tokens.numpy(), r, self.embedding["rows_per_rank"])
+        else:
+            replica = r // self.tp
+            ids = tokens[replica * self.rows_attn:(replica + 1) * self.rows_attn].numpy()
+        return decode.embed(self.tensors[r]["embed_weight"], torch.from_numpy(ids).long(), placement, comm)
+
     def _compiled(self, tokens, ctl: decode.Control, params, collect_hiddens: bool):
         """One step through the compiled decode and tail programs, arguments in signature order."""
         t, kv = self.tensors[0], self.kv[0]
-        x = t["embed_tokens"][tokens].to(torch.float32)
+        x = self._embed(0, tokens, None)
         program, inputs = self.programs["decode"]
         kv_args = kv.arguments()  # the buffers the program updates in place
         args = []

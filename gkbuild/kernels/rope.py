@@ -1,5 +1,9 @@
 """YaRN rotary embedding (GPT-OSS: theta 150000, factor 32, beta 32/1, original context 4096),
 NeoX half-split rotation. cos and sin come pre-multiplied by the concentration 0.1*ln(factor)+1.
+
+Two forms of the same numbers: the runtime computes cos/sin (``tables``) and passes them, or the
+kernel takes ``inv_freq`` [d/2, 1] and the concentration and computes them from the positions
+(``fused_tables``, decode.rope: fused).
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ def inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
 
 def tables(positions: torch.Tensor, head_dim: int, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., head_dim/2] for absolute positions (float32)."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq(head_dim, rope)
-    c = rope["concentration"]
-    return freqs.cos() * c, freqs.sin() * c
+    return fused_tables(positions, inv_freq(head_dim, rope)[:, None], rope["concentration"])
+
+
+def fused_tables(positions: torch.Tensor, inv_freq_column: torch.Tensor,
+                 concentration: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., d/2] from the fused-RoPE inputs: inv_freq [d/2, 1] fp32 and the concentration."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq_column[:, 0]
+    return freqs.cos() * concentration, freqs.sin() * concentration
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

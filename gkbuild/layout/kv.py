@@ -182,13 +182,16 @@ class KvLayout:
         return d
 
 
-def budget_blocks(layout_per_block_bytes: int, hbm_bytes: float, weight_bytes: int, where: str) -> int:
-    """num_blocks that fit in HBM after the weights (the DMA cap is applied by the caller)."""
-    free = int(hbm_bytes) - weight_bytes
+def budget_blocks(layout_per_block_bytes: int, usable_bytes: int, weight_bytes: int, reserve_bytes: int,
+                  where: str) -> int:
+    """num_blocks that fit in the usable device bytes after the device weights (the DMA cap is applied by
+    the caller). ``usable_bytes`` already leaves room for the reserve."""
+    free = usable_bytes - weight_bytes
     n = free // layout_per_block_bytes if free > 0 else 0
     if n < 1:
-        raise GkError(f"{where}: kv_cache: the KV budget does not fit: {weight_bytes / 2**30:.2f} GiB of weights "
-                      f"per rank leave {max(free, 0) / 2**30:.2f} GiB of {hbm_bytes / 2**30:.2f} GiB usable, "
+        raise GkError(f"{where}: kv_cache: the KV budget does not fit: {weight_bytes / 2**30:.2f} GiB of device "
+                      f"weights per rank leave {max(free, 0) / 2**30:.2f} GiB of {max(usable_bytes, 0) / 2**30:.2f} "
+                      f"GiB usable (memory_utilization, and a {reserve_bytes / 2**30:.2f} GiB device reserve), "
                       f"less than one block per entry ({layout_per_block_bytes} bytes)")
     return n
 

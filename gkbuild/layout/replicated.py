@@ -1,4 +1,5 @@
-"""Tensors every rank holds whole: norms, the O-projection bias, the router, embedding, final norm."""
+"""Tensors every rank holds whole: norms, the O-projection bias, the router, final norm (the embedding
+has its own placements: ``embedding.py``)."""
 
 from __future__ import annotations
 
@@ -33,15 +34,6 @@ def router_bias(b: np.ndarray) -> np.ndarray:
 
 def router_bias_inverse(r: np.ndarray, dtype) -> np.ndarray:
     return r[0].astype(dtype)
-
-
-def embedding(dims: Dims, w: np.ndarray) -> np.ndarray:
-    """HF embed_tokens [V, H] -> [V, Hp]: an embedded token comes out in kernel lanes."""
-    return hidden.to_kernel(w, 1, dims.Hp)
-
-
-def embedding_inverse(dims: Dims, e: np.ndarray) -> np.ndarray:
-    return hidden.from_kernel(e, 1, dims.H)
 
 
 def gamma(dims: Dims, norm: np.ndarray) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..plan import group_ranks, rank_ranges
 from . import manifest as mf
 from .fingerprint import sha256_file
 from .state import STATE_DIR, State
@@ -55,6 +56,10 @@ def summary(build_dir: Path) -> dict:
         "files": len(m["files"]), "bytes": sum(sizes.values()), "by_role": by_role,
         "bytes_per_rank": sum(sizes[x["file"]] for x in r0["loads"]),
         "kv": m["layout"]["kv"], "tail": m["layout"]["tail"],
+        "embedding": m["layout"]["embedding"]["placement"], "rope": m["scalars"]["rope"]["mode"],
+        "device_memory": [{**g, "ranks": rank_ranges(g["ranks"])}
+                          for g in group_ranks((r["rank"], r["device"]) for r in m["ranks"])],
+        "host_files": [{**h, "bytes": sizes.get(h["file"])} for h in m["host_files"]],
         "source": {k: v for k, v in m["source"].items() if k != "files"},
         "compile": {"status": m["compile"]["status"], "artifacts": len(m["compile"]["artifacts"])},
         "stages": [{"name": n, "cached": state.stages.get(n) == k} for n, k in recorded.items()],

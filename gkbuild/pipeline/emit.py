@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ..checkpoint import mxfp4, names
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
-from ..layout import attention, experts_bf16, experts_mx, replicated, tail
+from ..layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
 from ..layout.dims import Dims
 from .fingerprint import sha256_file
 
@@ -33,6 +34,9 @@ class Context:
     dims: Dims
     experts: str
     v_scale: float
+    embedding: str = "host"  # decode.embedding: host | vocab | hidden
+    world: int = 1
+    rope: dict | None = None  # the model's YaRN parameters when decode.rope is fused (writes inv_freq)
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,6 @@ def _shared(ctx: Context, ck: Checkpoint, index: int) -> dict:
     def row(suffix):
         return _per_layer(lambda layer: _read_layer(ck, layer, suffix, fn=lambda a: replicated.row(d, a)))
 
-    def embedding():
-        emb = ck.read(names.EMBED)
-        rows = max(1, EMBED_CHUNK_BYTES // (d.Hp * 2))
-        for r0 in range(0, d.V, rows):
-            yield replicated.embedding(d, emb[r0:r0 + rows])
-            ck.release(names.EMBED, r0, min(r0 + rows, d.V))
-
     return {
         "input_layernorm_weight": row("input_layernorm.weight"),
         "post_attn_layernorm_weight": row("post_attention_layernorm.weight"),
@@ -114,9 +111,38 @@ def _shared(ctx: Context, ck: Checkpoint, index: int) -> dict:
         "router_weights": _per_layer(lambda layer: _read_layer(
             ck, layer, "mlp.router.weight", fn=lambda a: replicated.router_weights(d, a))),
         "router_bias": _per_layer(lambda layer: _read_layer(ck, layer, "mlp.router.bias", fn=replicated.router_bias)),
-        "embed_tokens": embedding,
         "gamma": lambda: iter([replicated.gamma(d, ck.read(names.FINAL_NORM))]),
+        "inv_freq": lambda: iter([_inv_freq(d, ctx.rope)]),
     }
+
+
+def _inv_freq(d: Dims, rope: dict) -> np.ndarray:
+    """The fused-RoPE input [d/2, 1] fp32: the twin's (and transformers') YaRN frequencies."""
+    from ..kernels.rope import inv_freq
+
+    return np.ascontiguousarray(inv_freq(d.d, rope).numpy()[:, None])
+
+
+def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
+    """The embedding file of one placement: row blocks of the source, each laid out in kernel lanes
+    and cut to the file's share (``layout.embedding``), so a worker holds one block at a time."""
+    d = ctx.dims
+    lo, hi = 0, d.V
+    if ctx.embedding == "vocab":
+        rows = embedding.vocab_rows(d.V, ctx.world)
+        lo, hi = min(index * rows, d.V), min((index + 1) * rows, d.V)
+    step = max(1, EMBED_CHUNK_BYTES // (d.Hp * 2))
+
+    def table():
+        for r0 in range(lo, hi, step):
+            r1 = min(r0 + step, hi)
+            block = embedding.table(d, ck.read(names.EMBED, r0, r1))
+            ck.release(names.EMBED, r0, r1)
+            yield embedding.hidden_shard(block, index, d.tp) if ctx.embedding == "hidden" else block
+        if ctx.embedding == "vocab" and hi - lo < rows:  # the last rank's rows past V
+            yield np.zeros((rows - (hi - lo), d.Hp), ml_dtypes.bfloat16)
+
+    return {"embed_tokens" if ctx.embedding == "host" else "embed_weight": table}
 
 
 def _attn(ctx: Context, ck: Checkpoint, t: int) -> dict:
@@ -184,7 +210,7 @@ def _tail(ctx: Context, ck: Checkpoint, v: int) -> dict:
     return {"lm_head_weight_t": shard}
 
 
-PRODUCERS = {"shared": _shared, "attn": _attn, "expert": _expert, "tail": _tail}
+PRODUCERS = {"shared": _shared, "attn": _attn, "expert": _expert, "tail": _tail, "embed": _embed}
 
 
 def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:

@@ -2,7 +2,8 @@
 
 Versioned (``schema_version``, JSON Schema shipped in ``gkbuild/schemas``); lists every file with
 its size and sha256, the source and its file hashes, the recipe, model, topology and meshes, tool
-versions, layout metadata, and for every rank its coordinates and the files and tensors it loads.
+versions, layout metadata, for every rank its coordinates, the files and tensors its device loads and
+its device memory, and apart from those the host-side files with the program that uses them.
 Reproducible: no timestamps or machine paths; ``build_id`` is the sha256 of everything else.
 """
 
@@ -73,7 +74,9 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
     ranks = []
     for c in plan.ranks:
         loads = [{"file": f.path, "tensors": [s.name for s in f.tensors]} for f in plan.files_of(c.rank)]
-        ranks.append({**c.to_dict(), "loads": loads})
+        mem = plan.device_memory(c.rank)
+        ranks.append({**c.to_dict(), "loads": loads,
+                      "device": mem})
     m = {
         "schema_version": SCHEMA_VERSION,
         "name": r.name,
@@ -91,11 +94,14 @@ def make(plan, source_info: dict, files: list[dict], stages: list[dict], compile
         "layout": {"kv": {"file": "layout/kv.json", "form": plan.kv.form, "entries": plan.kv.entries,
                           "num_blocks": plan.kv.num_blocks, "block_size": plan.kv.block_size, "dtype": plan.kv.dtype,
                           "packed": plan.kv.packed, "allocation_shape": plan.kv.allocation_shape,
-                          "allocations": plan.kv.allocations, "bytes_per_rank": plan.kv.bytes_per_rank},
+                          "allocations": plan.kv.allocations, "bytes_per_rank": plan.kv.bytes_per_rank,
+                          "budget": plan.budget},
                    "tail": {"file": "layout/tail.json", "vocab_per_rank": plan.dims.V_s, "hops": r.hops,
-                            "k": r.tail.k}},
+                            "k": r.tail.k},
+                   "embedding": plan.scalars["embedding"]},
         "scalars": plan.scalars,
         "ranks": ranks,
+        "host_files": plan.host_entries(),
         "stages": stages,
         "compile": compile_entry,
     }

@@ -120,8 +120,12 @@ class _Runner:
 def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
     """What one shard's bytes depend on: its role's parameters, its tensors, the source, the code."""
     r = plan.recipe
-    params = {"shared": {"tp": r.topology.tp}, "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
-              "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp}}[f.role]
+    params = {"shared": {"tp": r.topology.tp, "rope": r.decode.rope},
+              "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
+              "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp},
+              "embed": {"placement": r.decode.embedding,
+                        **{"host": {}, "vocab": {"world": r.topology.world}, "hidden": {"tp": r.topology.tp}}[
+                            r.decode.embedding]}}[f.role]
     specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
     return key("shard", f.role, f.index, params, specs, source_fp, LAYOUT_VERSION, __version__)
 
@@ -140,6 +144,7 @@ def layout_docs(plan: Plan) -> dict[str, dict]:
     kv = plan.kv.describe()
     # disaggregated inference: the KV heads each rank's cache holds (its TP rank's heads)
     kv["kv_heads_of_rank"] = {str(c.rank): plan.dims.kv_heads_of(c.tp) for c in plan.ranks}
+    kv["budget"] = plan.budget
     return {"layout/kv.json": kv, "layout/tail.json": tail}
 
 
@@ -235,7 +240,8 @@ class _Build:
                 # A first build with unhashed sources hashes them alongside the emission.
                 runner = runner or _Runner(self.jobs, self.progress)
                 ctx = Context(str(self.root), str(self.out), self.plan_.dims, self.recipe.experts,
-                              _v_scale(self.recipe))
+                              _v_scale(self.recipe), self.recipe.decode.embedding, self.recipe.topology.world,
+                              self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
                 self.progress.task("shards", "emit shards", sum(f.nbytes for f in todo))
                 calls = (self._hash_calls(unknown) if unknown else []) + [
                     (run_shard, (ctx, ShardJob(f.role, f.index, f.path, f.tensors)), ("shard", f)) for f in todo]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..pipeline import manifest as mf
 from ..errors import GkError
+from ..plan import rank_ranges
 from .fetch import read_manifest
 from .stores import open_store
 
@@ -38,18 +39,6 @@ def _flat(d, prefix: str = "") -> dict:
 def _changes(a: dict, b: dict) -> list[dict]:
     fa, fb = _flat(a), _flat(b)
     return [{"key": k, "a": fa.get(k), "b": fb.get(k)} for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(out)
 
 
 def _compilers(m: dict) -> dict:
@@ -82,5 +71,5 @@ def diff(a: dict, b: dict) -> dict:
         "compile": _changes(_compilers(a), _compilers(b)),
         "files": {"changed": [{"path": p, "a": files_a[p]["size"], "b": files_b[p]["size"]} for p in changed],
                   "added": added, "removed": removed},
-        "ranks": {"changed": len(ranks), "of": len(lb), "which": _ranges(ranks)},
+        "ranks": {"changed": len(ranks), "of": len(lb), "which": rank_ranges(ranks)},
     }

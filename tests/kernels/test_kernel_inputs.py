@@ -51,7 +51,7 @@ def _inputs(b, s, tokens, rank):
     m = b.manifest
     art = next(a for a in m["compile"]["artifacts"] if a["name"] == "decode-b8")
     tp = m["topology"]["tp"]
-    x = s.tensors[rank]["embed_tokens"][tokens[rank:rank + 1]].to(torch.bfloat16)
+    x = s.host["embed_tokens"][tokens[rank:rank + 1]].to(torch.bfloat16)  # decode.embedding: host
     given = {"x_shard": x, **s.tensors[rank], **s.kv[rank].arguments(),
              **kernel_inputs.decode_controls(s.controls[rank // tp], s.block, 1,
                                              m["model"]["num_attention_heads"] // tp, rank)}

@@ -1,32 +1,81 @@
-"""Pieces of the twins against independent references: transformers' RoPE, our MX decode."""
+"""Pieces of the twins against independent references: transformers' RoPE, our MX decode, the host's
+embedding rows."""
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
+import pytest
 import torch
 
 from gkbuild.checkpoint import mxfp4
-from gkbuild.kernels import mx, rope
-from gkbuild.layout import experts_mx, hidden
+from gkbuild.kernels import decode, mx, rope
+from gkbuild.kernels.collectives import Emulator
+from gkbuild.layout import embedding, experts_mx, hidden, topology
 from gkbuild.layout.dims import Dims
 from gkbuild.model import preset
 
 
-def test_yarn_tables_match_transformers():
+def _rope_params(cfg):
+    r = cfg.rope
+    return {"theta": r.theta, "factor": r.factor, "beta_fast": r.beta_fast, "beta_slow": r.beta_slow,
+            "original_max_position_embeddings": r.original_max_position_embeddings, "truncate": r.truncate,
+            "concentration": r.concentration}
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
+def test_yarn_tables_match_transformers(name):
+    """Both RoPE forms against transformers' GptOssRotaryEmbedding: the host's cos/sin, and the fused
+    form's inv_freq [d/2, 1] fp32 (bit-equal to transformers' frequencies) and concentration, on
+    positions up to 131,072."""
     from transformers import GptOssConfig as HF
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-    cfg = preset("gpt-oss-120b")
+    cfg = preset(name)
     hf = HF(**{k: v for k, v in cfg.to_hf().items() if k not in ("quantization_config",)})
     emb = GptOssRotaryEmbedding(hf)
-    pos = torch.tensor([[0, 1, 7, 128, 4095, 4096, 70000]])
+    r = _rope_params(cfg)
+    column = rope.inv_freq(cfg.d, r)[:, None]
+    assert column.shape == (cfg.d // 2, 1) and column.dtype == torch.float32
+    assert torch.equal(column[:, 0], emb.inv_freq)
+    assert emb.attention_scaling == pytest.approx(r["concentration"], abs=0)
+    pos = torch.cat([torch.tensor([0, 1, 7, 128, 4095, 4096, 70000]), torch.arange(0, 131073, 4099),
+                     torch.tensor([131071, 131072])])[None]
     cos_hf, sin_hf = emb(torch.zeros(1, dtype=torch.float32), pos)
-    r = {"theta": cfg.rope.theta, "factor": cfg.rope.factor, "beta_fast": cfg.rope.beta_fast,
-         "beta_slow": cfg.rope.beta_slow, "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
-         "truncate": cfg.rope.truncate, "concentration": cfg.rope.concentration}
-    cos, sin = rope.tables(pos[0], cfg.d, r)
-    torch.testing.assert_close(cos, cos_hf[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sin, sin_hf[0], rtol=1e-5, atol=1e-5)
+    for cos, sin in (rope.tables(pos[0], cfg.d, r), rope.fused_tables(pos[0], column, r["concentration"])):
+        torch.testing.assert_close(cos, cos_hf[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sin, sin_hf[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["vocab", "hidden"])
+def test_fused_embedding_gives_the_host_rows_exactly(placement):
+    """The prologue's gather and collectives over an emulated TP4 x DP2 world give every rank the
+    rows a runtime would gather from the whole table, bit for bit."""
+    tp, dp, V = 4, 2, 1003
+    world = tp * dp
+    d = Dims.of(dataclasses.replace(preset("tiny"), vocab_size=V), tp=tp)
+    w = torch.randn(V, d.H).to(torch.bfloat16)
+    table = embedding.table(d, w.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    tokens = torch.tensor([0, 5, 1002, 77, 77, 500, 251, 1001, 3, 999, 250, 126, 127, 128, 4, 6])  # B = 16
+    B, t_shard, b_attn = len(tokens), len(tokens) // world, len(tokens) // dp
+    R = embedding.vocab_rows(V, world)
+
+    def rank_fn(r, comm):
+        if placement == "vocab":
+            weight = embedding.vocab_shard(table, r, world)
+            ids = embedding.local_ids(tokens.numpy(), r, R)
+        else:
+            weight = embedding.hidden_shard(table, r % tp, tp)
+            ids = tokens[(r // tp) * b_attn:(r // tp + 1) * b_attn].numpy()
+        weight = torch.from_numpy(weight.view(np.int16)).view(torch.bfloat16)
+        return decode.embed(weight, torch.from_numpy(ids).long(), placement, comm)
+
+    em = Emulator({"tp": topology.tp_mesh(tp, dp), "ep": topology.ep_mesh(world)})
+    got = em.run(rank_fn)
+    full = torch.from_numpy(table.view(np.int16)).view(torch.bfloat16).float()
+    for r in range(world):
+        assert torch.equal(got[r], full[tokens[r * t_shard:(r + 1) * t_shard]]), r
+    assert B == world * t_shard
 
 
 def test_mx_reader_agrees_with_the_checkpoint_decode():

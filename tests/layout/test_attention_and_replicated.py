@@ -116,7 +116,7 @@ def test_kernel_reader_attention_matches_hf():
 def test_replicated_roundtrips(seed):
     rng = np.random.default_rng(seed)
     dims = Dims.of(preset("tiny"))
-    H, E, V = dims.H, dims.E, 64
+    H, E = dims.H, dims.E
     norm = rng.standard_normal(H).astype(BF)
     r = replicated.row(dims, norm)
     assert r.shape == (1, dims.Hp) and r.dtype == BF
@@ -128,8 +128,6 @@ def test_replicated_roundtrips(seed):
     assert np.array_equal(_bits(replicated.router_weights_inverse(dims, k, BF)), _bits(rw))
     rb = rng.uniform(-4, 4, E).astype(BF)
     assert np.array_equal(_bits(replicated.router_bias_inverse(replicated.router_bias(rb), BF)), _bits(rb))
-    emb = rng.standard_normal((V, H)).astype(BF)
-    assert np.array_equal(_bits(replicated.embedding_inverse(dims, replicated.embedding(dims, emb))), _bits(emb))
     g = replicated.gamma(dims, norm)
     assert g.dtype == np.float32 and g.shape == (1, dims.Hp)
     assert np.array_equal(_bits(replicated.gamma_inverse(dims, g, BF)), _bits(norm))

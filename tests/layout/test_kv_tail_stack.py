@@ -74,9 +74,9 @@ def test_pack_block_roundtrip(kvh, block, d, seed):
 
 
 def test_budget():
-    assert kv.budget_blocks(100, 10_000, 1_000, "r") == 90
-    with pytest.raises(Exception, match="KV budget does not fit"):
-        kv.budget_blocks(100, 1_000, 1_000, "r")
+    assert kv.budget_blocks(100, 10_000, 1_000, 500, "r") == 90
+    with pytest.raises(Exception, match="KV budget does not fit: .* and a 0.00 GiB device reserve"):
+        kv.budget_blocks(100, 1_000, 1_000, 500, "r")
 
 
 # -- tail ownership: a numpy oracle that runs the all-to-all hop by hop ------------------------

@@ -21,9 +21,16 @@ from gkbuild.checkpoint.reader import Checkpoint
 from gkbuild.checkpoint.safetensors_io import read_header
 from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.errors import GkError
-from gkbuild.layout import attention, experts_bf16, experts_mx, replicated, tail
+from gkbuild.kernels import rope
+from gkbuild.layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
 from gkbuild.plan import make_plan
 from tests.conftest import RECIPES, run_cli
+
+
+def materialize_config(r):
+    from gkbuild.model import GptOssConfig
+
+    return GptOssConfig.from_file(materialize(parse(r.source)) / "config.json")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -53,9 +60,17 @@ def _expected(r, ck, plan, f) -> dict[str, np.ndarray]:
             "bias_out": st(lambda i: attention.o_bias(d, rd(p(i) + "self_attn.o_proj.bias"))),
             "router_weights": st(lambda i: replicated.router_weights(d, rd(p(i) + "mlp.router.weight"))),
             "router_bias": st(lambda i: replicated.router_bias(rd(p(i) + "mlp.router.bias"))),
-            "embed_tokens": replicated.embedding(d, rd(names.EMBED)),
             "gamma": replicated.gamma(d, rd(names.FINAL_NORM)),
+            **({"inv_freq": rope.inv_freq(d.d, plan.scalars["rope"]).numpy()[:, None]}
+               if r.decode.rope == "fused" else {}),
         }
+    if f.role == "embed":
+        table = embedding.table(d, rd(names.EMBED))
+        placement = r.decode.embedding
+        if placement == "host":
+            return {"embed_tokens": table}
+        return {"embed_weight": embedding.vocab_shard(table, f.index, plan.world) if placement == "vocab"
+                else embedding.hidden_shard(table, f.index, d.tp)}
     if f.role == "attn":
         t = f.index
 
@@ -113,8 +128,30 @@ def test_shards_are_the_layout_functions_of_the_source(topo):
         sorted(Path(f.path).name for f in plan.files)
     by_path = {f.path: f for f in plan.files}
     for path in ("weights/shared.safetensors", "weights/attn-tp3.safetensors", "weights/expert-017.safetensors",
-                 "weights/expert-127.safetensors", "weights/tail-v042.safetensors"):
+                 "weights/expert-127.safetensors", "weights/tail-v042.safetensors", "weights/embed-host.safetensors"):
         _assert_shard(out, by_path[path], _expected(r, ck, plan, by_path[path]))
+
+
+@pytest.mark.parametrize("sets, paths", [
+    (["decode.embedding=vocab", "decode.rope=fused"],
+     ["weights/embed-v000.safetensors", "weights/embed-v077.safetensors", "weights/shared.safetensors"]),
+    (["decode.embedding=hidden"], ["weights/embed-tp0.safetensors", "weights/embed-tp5.safetensors"]),
+], ids=["vocab-fused", "hidden"])
+def test_embedding_placements_are_the_layout_functions_of_the_source(tmp_path, sets, paths):
+    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets)
+    out = tmp_path / "b"
+    compile_build(r, out=out, quiet=True, compile=False)
+    ck = Checkpoint.open(materialize(parse(r.source)))
+    plan = make_plan(r, ck.config)
+    by_path = {f.path: f for f in plan.files}
+    for path in paths:
+        _assert_shard(out, by_path[path], _expected(r, ck, plan, by_path[path]))
+    m = mf.load(out)
+    assert m["host_files"] == []
+    r77 = m["ranks"][77]
+    assert r77["loads"][-1]["file"] == (paths[1] if "vocab" in sets[0] else "weights/embed-tp5.safetensors")
+    assert r77["device"]["weights_bytes"] == plan.weight_bytes(77)
+    assert m["layout"]["embedding"]["placement"] == r.decode.embedding
 
 
 def test_shards_open_with_the_official_reader(topo):
@@ -141,6 +178,16 @@ def test_manifest(topo):
     assert [x["file"] for x in r77["loads"]] == ["weights/shared.safetensors", "weights/attn-tp5.safetensors",
                                                  "weights/expert-077.safetensors", "weights/tail-v077.safetensors"]
     assert "expert_gate_up_weights" in r77["loads"][2]["tensors"]
+    # the embedding is host-side: in no rank's device loads, listed apart with its program
+    assert all("embed_tokens" not in x["tensors"] for rk in m["ranks"] for x in rk["loads"])
+    assert m["host_files"] == [{"file": "weights/embed-host.safetensors", "tensors": ["embed_tokens"],
+                                "program": "decode", "use": m["host_files"][0]["use"]}]
+    files = {f["path"]: f for f in m["files"]}
+    assert files["weights/embed-host.safetensors"]["role"] == "embed"
+    dev = r77["device"]
+    assert dev["weights_bytes"] == sum(t.nbytes for f in make_plan(r, materialize_config(r)).files_of(77)
+                                       for t in f.tensors)
+    assert dev["total_bytes"] == dev["weights_bytes"] + dev["kv_bytes"] + dev["reserve_bytes"]
     assert {f["path"] for f in m["files"]} >= {"layout/kv.json", "layout/tail.json", "weights/shared.safetensors"}
     assert m["compile"]["status"].startswith("skipped") and m["compile"]["artifacts"] == []
     assert m["tools"]["gkbuild"] and m["tools"]["python"] and m["tools"]["torch"]
@@ -148,6 +195,9 @@ def test_manifest(topo):
     assert kv["form"] == "stacked" and kv["entries"] == 2 and kv["k_shape"] == [2, 80, 1, 2, 32, 2]
     assert len(kv["di_regions"]) == 4 and kv["di_regions"][2] == {"entry": 1, "half": "K", "tensor": "K", "offset": 80 * 4 * 32, "block_len": 4 * 32, "count": 80, "layers": [1]}
     assert kv["update_indices"] == ["full"] and kv["kv_heads_of_rank"]["9"] == [1] and "N-1" in kv["swa_di_truncation"]
+    b = kv["budget"]
+    assert (b["mode"], b["num_blocks"], b["reserve_bytes"]) == ("given", 80, 2**30)
+    assert b["device_bytes"] == dev["total_bytes"] and b["host_bytes"] == 2048 * 512 * 2
     t = json.loads((out / "layout/tail.json").read_text())
     assert t["owned_rows"]["128"]["9"] == [17]  # hop digits (9 % 8, 9 // 8) = (1, 1): row 1*16 + 1*1
     # a manifest the schema rejects is refused
@@ -238,6 +288,39 @@ def test_a_smaller_topology_removes_the_stale_shards(topo, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_placement_change_rewrites_only_the_embedding_or_the_shared_file(topo, tmp_path):
+    _, out, _ = topo
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["decode.embedding=hidden"]), out=b,
+                        quiet=True, compile=False)
+    assert res.shards_written == 8  # embed-tp0..7
+    assert not (b / "weights/embed-host.safetensors").exists()
+    both = ["decode.embedding=hidden", "decode.rope=fused"]
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", both), out=b, quiet=True, compile=False)
+    assert res.shards_written == 1  # shared.safetensors gains inv_freq
+    assert run_cli("check", str(b), "-q").returncode == 0
+
+
+def _wait_for_the_workers(out: Path, timeout: float = 60) -> None:
+    """A killed build's workers die with it (PR_SET_PDEATHSIG), but one blocked in disk I/O exits
+    only when that I/O completes, and holds the folder's lock until then (slow under load)."""
+    import fcntl
+
+    fd = os.open(out / ".gkbuild" / "lock", os.O_RDWR)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.time() < deadline, "the killed build's workers never exited"
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
 def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
     _, clean, _ = topo
     out = tmp_path / "killed"
@@ -258,14 +341,15 @@ def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
         time.sleep(0.005)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert 20 <= recorded < 265, "the kill must land midway"
+    _wait_for_the_workers(out)
+    assert 20 <= recorded < 266, "the kill must land midway"  # 266 shards: 1 + 8 + 128 + 128 + the embedding
     assert not (out / "manifest.json").exists()
     for f in (out / "weights").iterdir():  # a file under its final name is complete
         if not f.name.endswith(".partial"):
             read_header(f)
     r = recipe.load(RECIPES / "tiny-topology-trn2.yaml")
     res = compile_build(r, out=out, quiet=True, compile=False)
-    assert 0 < res.shards_written <= 265 - 20  # finished shards were not redone
+    assert 0 < res.shards_written <= 266 - 20  # finished shards were not redone
     assert _tree(out) == _tree(clean)
 
 

@@ -6,7 +6,7 @@ import json
 from gkbuild import recipe
 from gkbuild.pipeline import manifest as mf
 from gkbuild.pipeline.pipeline import compile_build
-from gkbuild.publish.diff import _ranges, diff, load
+from gkbuild.publish.diff import diff, load
 from gkbuild.publish.publish import publish
 from tests.conftest import RECIPES, run_cli
 
@@ -44,11 +44,6 @@ def test_changed_weight_files_name_exactly_the_ranks_that_load_them():
     d = diff(a, b)
     assert d["ranks"] == {"changed": 4, "of": 128, "which": "5-7, 40"}
     assert len(d["files"]["changed"]) == 4
-
-
-def test_ranges():
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
-    assert _ranges([]) == ""
 
 
 def test_cli_diff_of_a_build_and_a_store(build, tmp_path):
