@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast clean
 
 install: $(STAMP)
 
@@ -27,9 +27,6 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
-
-bench: $(STAMP)
-	$(PY) bench/run_all.py
 
 clean:
 	rm -rf artifacts/* $(VENV) .pytest_cache .hypothesis

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from ..dtypes import dtype as gk_dtype
 
 TAIL_WEIGHTS = ("gamma", "lm_head_weight_t")
-NOT_DECODE = ("embed_tokens",) + TAIL_WEIGHTS  # the runtime embeds; the tail has its own program
+FUSED = ("embed_weight", "inv_freq")  # device-side embedding / RoPE: placed where what they replace was
+NOT_DECODE = TAIL_WEIGHTS + FUSED  # the tail has its own program
 ACTIVATION = "bfloat16"  # the decode residual stream (the kernel refuses fp32 queries with FP8 KV)
 UINT32_SKIP = 0xFFFFFFFF  # an update slot of uint32 max: this row writes nothing
 # The decode kernel's weight parameters, in its order (the public MXFP4 entry point).
@@ -117,9 +118,20 @@ def neuron_decode(plan, batch: int) -> Signature:
     heads = (kv.kv_heads,) if kv.kv_heads > 1 else ()  # per-head tables and slots when a rank holds several
     weights = _weights(plan, DECODE_WEIGHTS)
     n_before = sum(1 for w in weights if w.name in DECODE_WEIGHTS[:_KV_AT])
-    ctl = [Input("swa_start_pos_ids", (L, B_attn, 1), "float32", "control"),
-           Input("cos", (half, B_attn, 1), "float32", "control"),
-           Input("sin", (half, B_attn, 1), "float32", "control"),
+    fused = {f["name"]: f for f in plan.fused_inputs(0)}
+    if "embed_weight" in fused:  # the kernel's embedding prologue makes x_shard from these
+        w, ids = fused["embed_weight"], fused["embed_ids"]
+        head = [Input("embed_weight", tuple(w["shape"]), gk_dtype(w["dtype"]).torch, "weight", w["file"]),
+                Input("embed_ids", (batch if ids["shape"] == ["B"] else B_attn,), "int32", "control")]
+    else:
+        head = [Input("x_shard", (T, d.Hp), ACTIVATION, "activation")]
+    if "inv_freq" in fused:  # fused RoPE: cos/sin from the positions, inv_freq and the concentration
+        f = fused["inv_freq"]
+        rope = [Input("inv_freq", tuple(f["shape"]), gk_dtype(f["dtype"]).torch, "weight", f["file"])]
+    else:
+        rope = [Input("cos", (half, B_attn, 1), "float32", "control"),
+                Input("sin", (half, B_attn, 1), "float32", "control")]
+    ctl = [Input("swa_start_pos_ids", (L, B_attn, 1), "float32", "control"), *rope,
            Input("active_blocks_table", (B_attn, *heads, s["full_table_blocks"]), "int32", "control"),
            Input("active_blocks_table_swa", (B_attn, *heads, s["swa_table_blocks"]), "int32", "control"),
            Input("attention_mask", (1, B_attn, d.q_l, 1), "uint8", "control"),
@@ -133,8 +145,7 @@ def neuron_decode(plan, batch: int) -> Signature:
     if s["k_scale"] is not None:
         fp8 = [Input("k_scale", (1, 1), "float32", "constant", value=s["k_scale"]),
                Input("v_scale", (1, 1), "float32", "constant", value=s["v_scale"])]
-    inputs = ([Input("x_shard", (T, d.Hp), ACTIVATION, "activation")] + weights[:n_before] + kv_inputs(kv)
-              + weights[n_before:] + ctl + fp8)
+    inputs = head + weights[:n_before] + kv_inputs(kv) + weights[n_before:] + ctl + fp8
     outputs = [{"name": "x_shard", "shape": [T, d.Hp], "dtype": ACTIVATION}]
     outputs += [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype, "aliases": i.name}
                 for i in inputs if i.kind == "kv_buffer"]
@@ -144,6 +155,8 @@ def neuron_decode(plan, batch: int) -> Signature:
                "top_k": s["top_k"], "eps": s["eps"], "hidden_actual": s["hidden_actual"],
                "softmax_scale": s["softmax_scale"], "gate_clamp_upper_limit": s["gate_clamp_upper_limit"],
                "up_clamp_upper_limit": s["up_clamp_upper_limit"], "up_clamp_lower_limit": s["up_clamp_lower_limit"]}
+    if "rope_concentration" in fused:
+        scalars["rope_concentration"] = fused["rope_concentration"]["value"]
     return Signature("decode", tuple(inputs), tuple(outputs), batch, scalars)
 
 

@@ -52,8 +52,6 @@ def decode_controls(ctl: Control, block: int, kv_heads: int, q_heads: int, rank:
     active = ctl.update_idx >= 0
     out = {
         "swa_start_pos_ids": ctl.swa_start.to(torch.float32)[..., None],
-        "cos": ctl.cos.T.contiguous()[..., None].to(torch.float32),
-        "sin": ctl.sin.T.contiguous()[..., None].to(torch.float32),
         "active_blocks_table": _table(ctl.block_table, pos // block + 1, kv_heads),
         "active_blocks_table_swa": _table(ctl.block_table_swa, pos_swa // block + 1, kv_heads),
         "attention_mask": active.to(torch.uint8)[None, :, None, None].expand(1, -1, q_heads, 1).contiguous(),
@@ -63,6 +61,9 @@ def decode_controls(ctl: Control, block: int, kv_heads: int, q_heads: int, rank:
         "pos_ids_swa": pos_swa.to(torch.float32)[:, None],
         "rank_id": torch.tensor([[rank]], dtype=torch.uint32),
     }
+    if ctl.cos is not None:  # host RoPE (fused RoPE computes them in the kernel)
+        out["cos"] = ctl.cos.T.contiguous()[..., None].to(torch.float32)
+        out["sin"] = ctl.sin.T.contiguous()[..., None].to(torch.float32)
     return out
 
 

@@ -3,6 +3,7 @@ and its whole flow through a fake SDK, a fake neuronx-cc and stand-ins written f
 kernel sources (the real SDK installs only on Trainium hosts)."""
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -332,3 +333,17 @@ def test_verify_on_neuron_says_in_one_line_what_it_needs(tmp_path, monkeypatch):
     assert len(neuron_run.check(m)) == 2
     cmd = neuron_run.command(out, tmp_path / "g.safetensors", tmp_path / "o", 128, 128)
     assert cmd[:4] == ["torchrun", "--standalone", "--nproc-per-node=128", "-m"] and cmd[4] == "gkbuild.compile.neuron_run"
+
+
+def test_fused_embedding_and_rope_change_the_decode_signature_as_the_contract_describes():
+    """vocab-sharded embedding: embed_weight [V/W, Hp] + embed_ids [B] replace x_shard; hidden:
+    [V, Hp/TP] + ids [B/DP]; fused RoPE: inv_freq [d/2, 1] and rope_concentration replace cos/sin.
+    The public kernel takes none of them, so its argument check refuses such a build."""
+    s = _shapes(signature.neuron_decode(_topo("decode.embedding=vocab", "decode.rope=fused"), 128))
+    assert "x_shard" not in s and "cos" not in s and "sin" not in s
+    assert s["embed_weight"][:2] == ((16, 512), "bfloat16") and s["embed_ids"] == ((128,), "int32", "control")
+    assert s["inv_freq"][:3] == ((16, 1), "float32", "weight")
+    dec = signature.neuron_decode(_topo("decode.rope=fused"), 128)
+    assert dec.scalars["rope_concentration"] == pytest.approx(0.1 * math.log(32) + 1)
+    h = _shapes(signature.neuron_decode(_topo("decode.embedding=hidden"), 128))
+    assert h["embed_weight"][0] == (2048, 64) and h["embed_ids"][0] == (8,) and "cos" in h
