@@ -218,10 +218,11 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     errors = torch.zeros(P, T, L)
     departed = torch.zeros(P, T, L, dtype=torch.bool)
     forced = 0
-    with steps_bar("verify", T, quiet) as advance:
+    with steps_bar("verify", T * L, quiet) as advance:
         for t in range(T):
             guide = RoutingGuide(g.routing[rows, :, t].transpose(0, 1), g.router_gap[rows, :, t].T, TIE)
-            res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide)
+            res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide,
+                               on_layer=lambda i, t=t: advance(1, f"position {t + 1}/{T}, layer {i + 1}/{L}"))
             forced += guide.forced
             ref_h = g.hidden[rows, :, t]  # [B, L, H]
             err = torch.stack([(h - ref_h[:, i]).norm(dim=-1) / ref_h[:, i].norm(dim=-1).clamp_min(1e-12)
@@ -232,7 +233,6 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
                     ours[p, t] = res.logits[b]
                 errors[p, t] = torch.maximum(errors[p, t], err[b]) if b >= P else err[b]
                 departed[p, t] |= guide.departed[:, b]
-            advance(1, f"position {t + 1}/{T}")
     build.close()
     rep = compare(ours, g.logits, kv)
     rep.routing_forced, rep.routing_total = forced, T * batch * L

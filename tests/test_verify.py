@@ -210,3 +210,22 @@ def test_cli_failure_is_one_line_and_nonzero(tmp_path, tiny_golden, monkeypatch)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("gkbuild: error: verify failed: sequence")
     assert "first hidden state or routing to depart from the reference is layer 0" in r.stderr
+
+
+def test_progress_reports_every_layer_of_every_position(tmp_path, tiny_golden, monkeypatch):
+    """verify's bar names the position and the layer in progress."""
+    seen = []
+
+    def bar(description, total, quiet=False):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            seen.append(total)
+            yield lambda n, where="": seen.append(where)
+        return cm()
+
+    monkeypatch.setattr(verify, "steps_bar", bar)
+    rep = verify.run(_build(tmp_path, "b"), golden=tiny_golden)
+    assert rep.ok and seen[0] == 20 * 2 and len(seen) == 1 + 40
+    assert seen[1:4] == ["position 1/20, layer 1/2", "position 1/20, layer 2/2", "position 2/20, layer 1/2"]

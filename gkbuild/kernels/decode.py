@@ -25,6 +25,7 @@ token attends at that scale unrounded, the dequant scales live in softmax_scale 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -282,12 +283,14 @@ def embed(weight: torch.Tensor, ids: torch.Tensor, placement: str, comm) -> torc
 
 
 def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens: list | None = None,
-         guide: RoutingGuide | None = None, memo: ExpertCache | None = None) -> torch.Tensor:
+         guide: RoutingGuide | None = None, memo: ExpertCache | None = None,
+         on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
     """One decode step of this rank: x [T_shard, Hp] -> [T_shard, Hp].
 
     ``t``: the rank's tensors by argument name; ``kv``: its KV cache (``kv.k(layer)`` that layer's
     entry in the kernel's K view, ``kv.v(layer)``; either form), updated in place; ``hiddens`` collects x after every layer; ``guide``
-    steers true-tie routing to the reference (verification); ``memo`` caches dequantized experts.
+    steers true-tie routing to the reference (verification); ``memo`` caches dequantized experts;
+    ``on_layer(i)`` is told when layer i is done (progress).
     """
     f = lambda name, i: t[name][i].float()  # noqa: E731
     for i in range(sc.num_layers):
@@ -300,4 +303,6 @@ def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens:
         x = x + comm.reduce_scatter(m, "ep")
         if hiddens is not None:
             hiddens.append(x)
+        if on_layer is not None:
+            on_layer(i)
     return x

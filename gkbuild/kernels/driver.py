@@ -176,8 +176,9 @@ class Session:
             self.programs = {a["name"]: (build.program(a["name"]), a["inputs"]) for a in m["compile"]["artifacts"]}
 
     def step(self, tokens: torch.Tensor, collect_hiddens: bool = False,
-             guide: decode.RoutingGuide | None = None) -> StepResult:
-        """Feed one token per sequence; return the logits for the next one."""
+             guide: decode.RoutingGuide | None = None, on_layer=None) -> StepResult:
+        """Feed one token per sequence; return the logits for the next one. ``on_layer(i)`` is
+        told as rank 0 finishes each layer (progress)."""
         if tokens.shape != (self.batch,):
             raise GkError(f"expected {self.batch} tokens, got {tuple(tokens.shape)}")
         controls = self.controls = self.steps.next()
@@ -187,7 +188,8 @@ class Session:
             t, sc = self.tensors[r], self.scalars[r]
             x = self._embed(r, tokens, comm)
             hid = [] if collect_hiddens else None
-            x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo)
+            x = decode.step(t, x, self.kv[r], controls[r // self.tp], sc, comm, hid, guide, self.memo,
+                            on_layer if r == 0 else None)
             everything = comm.all_gather(x, "ep")
             out = tail.step(everything, t["gamma"], t["lm_head_weight_t"], comm, self.hops, self.k, sc.eps,
                             sc.hidden_actual, params=greedy, emit_logits=True, batch_groups=self.groups)
@@ -195,6 +197,8 @@ class Session:
 
         if self.engine == "compiled":
             results = [self._compiled(tokens, controls[0], greedy, collect_hiddens)]
+            for i in range(self.steps.L if on_layer else 0):  # one program runs every layer
+                on_layer(i)
         elif self.emulator is None:
             results = [rank_fn(0, Single())]
         else:
