@@ -17,6 +17,7 @@ from typing import Iterator
 from ..errors import GkError
 from .reader import INDEX, SINGLE
 
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[\w.\-/]+))?$")
 
 
@@ -65,10 +66,34 @@ def errors(uri: str, revision: str) -> Iterator[None]:
 
 
 def _download(ref: HubRef, patterns: list[str]) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
+    if constants.HF_HUB_OFFLINE:
+        cached = _cached_snapshot(Path(constants.HF_HUB_CACHE), ref, patterns)
+        if cached is not None:
+            return cached
     with errors(ref.uri, ref.revision):
         return Path(snapshot_download(repo_id=ref.repo, revision=ref.revision, allow_patterns=patterns))
+
+
+def _cached_snapshot(cache: Path, ref: HubRef, files: list[str]) -> Path | None:
+    """Offline: the cache's snapshot of the revision (a commit, or a ref naming one) when it holds
+    every file, without asking the hub (some huggingface_hub releases list the repo tree even for a
+    cached commit when offline, and fail)."""
+    repo = cache / f"models--{ref.repo.replace('/', '--')}"
+    commit = ref.revision
+    if not _COMMIT.match(commit):
+        if ".." in Path(commit).parts:
+            return None
+        ref_file = repo / "refs" / commit
+        try:
+            commit = ref_file.read_text(errors="replace")[:64].strip() if ref_file.is_file() else ""
+        except OSError:
+            return None
+        if not _COMMIT.match(commit):
+            return None
+    snap = repo / "snapshots" / commit
+    return snap if all((snap / f).is_file() for f in files) else None
 
 
 def fetch_config(uri: str) -> Path:
