@@ -87,7 +87,8 @@ def _cached_snapshot(cache: Path, ref: HubRef, files: list[str]) -> Path | None:
             return None
         ref_file = repo / "refs" / commit
         try:
-            commit = ref_file.read_text(errors="replace")[:64].strip() if ref_file.is_file() else ""
+            with open(ref_file, "rb") if ref_file.is_file() else contextlib.nullcontext(None) as f:
+                commit = f.read(64).decode(errors="replace").strip() if f else ""  # a ref is one sha
         except OSError:
             return None
         if not _COMMIT.match(commit):
