@@ -383,8 +383,9 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
         if rep.layer_departs and rep.first_bad_layer is not None:
             i = rep.first_bad_layer
             what.append(f"layer {i} departs from the reference (hidden-state error {rep.layer_errors[i]:.3g} "
-                        f"free-running, {rep.layer_local_errors[i]:.3g} on the reference's input, limit "
-                        f"{rep.blame_threshold:.3g}; {rep.layer_routing[i]} routing departures)")
+                        f"free-running; on the reference's input {rep.layer_local_errors[i]:.3g} at worst, "
+                        f"{rep.layer_local_median[i]:.3g} at the median, limits {rep.blame_threshold:.3g} / "
+                        f"{rep.blame_threshold_median:.3g}; {rep.layer_local_routing[i]} routing departures)")
         if rep.experts_failing:
             x = rep.experts_failing[0]
             what.append(f"{len(rep.experts_failing)} expert(s) depart on the probe rows, first layer {x['layer']} "
@@ -423,10 +424,12 @@ def _print_verify(rep) -> None:
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
               f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}", markup=False)
     if rep.layer_errors:
-        out.print("worst hidden-state relative error by layer, free-running / on the reference's input (routing "
-                  f"departures; a layer departs above {rep.blame_threshold:.3g}): "
-                  + ", ".join(f"L{i}: {e:.3g} / {le:.3g} ({r})" for i, (e, le, r) in
-                              enumerate(zip(rep.layer_errors, rep.layer_local_errors, rep.layer_routing))), markup=False)
+        out.print("hidden-state relative error by layer, free-running worst / on the reference's input worst, median "
+                  f"(routing departures; a layer departs above {rep.blame_threshold:.3g} worst or "
+                  f"{rep.blame_threshold_median:.3g} median): "
+                  + ", ".join(f"L{i}: {e:.3g} / {le:.3g}, {lm:.3g} ({r})" for i, (e, le, lm, r) in
+                              enumerate(zip(rep.layer_errors, rep.layer_local_errors, rep.layer_local_median,
+                                            rep.layer_routing))), markup=False)
         out.print(f"experts: {rep.experts_checked} checked on the probe rows, worst {max(rep.expert_errors):.3g} "
                   f"(limit {EXPERT_TOL:g}), {len(rep.experts_failing)} departing; routed to by the reference, by layer: "
                   + ", ".join(str(c) for c in rep.coverage), markup=False)

@@ -72,8 +72,10 @@ def figures(rep: dict) -> list[tuple[str, str]]:
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.semilogy(layers, [pos(e) for e in rep["layer_errors"]], "o-", label="free-running (own input)")
     ax.semilogy(layers, [pos(e) for e in rep["layer_local_errors"]], "s-", label="on the reference's input")
+    ax.semilogy(layers, [pos(e) for e in rep["layer_local_median"]], "s:", label="on the reference's input, median")
     ax.semilogy(layers, [pos(e) for e in rep["experts"]["worst_by_layer"]], "^-", label="worst expert (probe rows)")
-    ax.axhline(rep["blame_threshold"], color="red", ls="--", lw=1, label="a layer departs above")
+    ax.axhline(rep["blame_threshold"], color="red", ls="--", lw=1, label="a layer departs above (worst)")
+    ax.axhline(rep["blame_threshold_median"], color="red", ls=":", lw=1, label="a layer departs above (median)")
     ax.axhline(rep["experts"]["tolerance"], color="purple", ls=":", lw=1, label="an expert departs above")
     if rep["first_bad_layer"] is not None:
         ax.axvline(rep["first_bad_layer"], color="red", lw=2, alpha=0.3, label="first departing layer")

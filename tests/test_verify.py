@@ -80,6 +80,19 @@ def test_routing_is_forced_only_at_the_references_own_ties():
     assert idx[0].tolist() == [0, 1] and guide.forced == 0 and guide.departed.tolist() == [[True]]
 
 
+def test_forced_ties_are_judged_as_distinct_token_layers():
+    """A handful of ties never fails a short verify; a share above MAX_FORCED of the distinct
+    (sequence, position, layer) token-layers does."""
+    rep = verify.Report([], True, "tight", routing_forced=verify.MIN_FORCED, routing_total=160)
+    assert not rep.too_many_forced  # 4 of 160 (2.5%): within the allowance
+    rep.routing_forced = verify.MIN_FORCED + 1
+    assert rep.too_many_forced
+    rep.routing_forced, rep.routing_total = 90, 4608  # 36 layers x 4 x 32: 2% is 92
+    assert not rep.too_many_forced
+    rep.routing_forced = 93
+    assert rep.too_many_forced
+
+
 def test_a_verify_that_forces_too_many_routings_fails(tmp_path, tiny_golden):
     import dataclasses
 
