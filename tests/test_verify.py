@@ -245,3 +245,13 @@ def test_progress_reports_every_layer_of_every_position(tmp_path, tiny_golden, m
     wheres = [w for _, w in seen]
     assert wheres[:2] == ["layer 1/2, position 1/20", "layer 1/2, position 2/20"]
     assert wheres[20] == "layer 1/2, experts" and wheres[21] == "layer 2/2, position 1/20" and wheres[-1] == "tail"
+
+
+def test_device_cuda_is_refused_without_a_gpu_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    out = _build(tmp_path, "b")
+    for extra in ([], ["--engine", "compiled"]):
+        r = run_cli("verify", str(out), "--device", "cuda", "--prompts", "1", "--steps", "1", *extra)
+        assert r.returncode == 1 and r.stderr.strip() == "gkbuild: error: --device cuda: no CUDA device is available " \
+                                                         "on this host"

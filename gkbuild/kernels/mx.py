@@ -75,10 +75,11 @@ def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return quad.to(device), torch.exp2(torch.arange(256, dtype=torch.float32) - 127).to(device)
 
 
-def _quad(u: torch.Tensor) -> torch.Tensor:
-    """u16 [...] -> float32 [..., 4] through the table (numpy's take on CPU: 3x torch's indexing)."""
+def _quad(u: torch.Tensor, numpy: bool | None = None) -> torch.Tensor:
+    """u16 [...] -> float32 [..., 4] through the table: numpy's take on the CPU (3x torch's
+    indexing there), torch's indexing on a device."""
     quad, _ = _tables(str(u.device))
-    if u.device.type == "cpu":
+    if u.device.type == "cpu" if numpy is None else numpy:
         return torch.from_numpy(np.take(quad.numpy(), np.ascontiguousarray(u.numpy().view(np.uint16)), axis=0))
     return quad[u.view(torch.int16).to(torch.int32) & 0xFFFF]
 

@@ -78,14 +78,19 @@ def test_fused_embedding_gives_the_host_rows_exactly(placement):
     assert B == world * t_shard
 
 
+def _random_mx(experts: int, seed: int):
+    """(dims, HF gate_up blocks, scales, down blocks, scales) of random MXFP4 experts at widths that pad."""
+    rng = np.random.default_rng(seed)
+    d = Dims.of(dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960))
+    return (d, rng.integers(0, 256, (experts, 2 * d.I, d.H // 32, 16), dtype=np.uint8),
+            rng.integers(118, 125, (experts, 2 * d.I, d.H // 32), dtype=np.uint8),
+            rng.integers(0, 256, (experts, d.H, d.I // 32, 16), dtype=np.uint8),
+            rng.integers(118, 125, (experts, d.H, d.I // 32), dtype=np.uint8))
+
+
 def test_mx_reader_agrees_with_the_checkpoint_decode():
     """The twin's reader of the tiles and mxfp4.decode of the HF bytes give the same matrices."""
-    rng = np.random.default_rng(0)
-    d = Dims.of(dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960))
-    gb = rng.integers(0, 256, (1, 2 * d.I, d.H // 32, 16), dtype=np.uint8)
-    gs = rng.integers(118, 125, (1, 2 * d.I, d.H // 32), dtype=np.uint8)
-    db = rng.integers(0, 256, (1, d.H, d.I // 32, 16), dtype=np.uint8)
-    ds = rng.integers(118, 125, (1, d.H, d.I // 32), dtype=np.uint8)
+    d, gb, gs, db, ds = _random_mx(1, 0)
     W, S, _ = experts_mx.gate_up(d, gb, gs, np.zeros((1, 2 * d.I), np.float32))
     dense = mx.gate_up(torch.from_numpy(W[0].view(np.int16)).view(torch.uint16), torch.from_numpy(S[0]))
     ref = mxfp4.decode(gb[0], gs[0])  # [2I (interleaved), H]
@@ -111,12 +116,7 @@ def test_mx_reader_agrees_with_the_checkpoint_decode():
 def test_the_table_driven_readers_are_the_traced_readers_transposed():
     """Eager verify reads every expert through mx's u16 table (rows of the transposed weights);
     the traced programs through nibble lookups. The same tiles give the same numbers."""
-    rng = np.random.default_rng(1)
-    d = Dims.of(dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960))
-    gb = rng.integers(0, 256, (2, 2 * d.I, d.H // 32, 16), dtype=np.uint8)
-    gs = rng.integers(118, 125, (2, 2 * d.I, d.H // 32), dtype=np.uint8)
-    db = rng.integers(0, 256, (2, d.H, d.I // 32, 16), dtype=np.uint8)
-    ds = rng.integers(118, 125, (2, d.H, d.I // 32), dtype=np.uint8)
+    d, gb, gs, db, ds = _random_mx(2, 1)
     W, S, _ = experts_mx.gate_up(d, gb, gs, np.zeros((2, 2 * d.I), np.float32))
     Wd, Sd, _ = experts_mx.down(d, db, ds, np.zeros((2, d.H), np.float32))
     u16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.uint16)  # noqa: E731
@@ -166,3 +166,11 @@ def test_expert_forward_on_rows_is_the_traced_all_expert_form():
     torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)
     assert sorted(probe.out) == list(range(8))
     torch.testing.assert_close(torch.stack([probe.out[e] for e in range(8)]), every[:, :2], rtol=1e-4, atol=1e-4)
+
+
+def test_the_device_lookup_is_the_cpu_lookup():
+    """mx's table lookup takes torch's indexing on a GPU (no numpy there): the same values."""
+    u = torch.from_numpy(np.random.default_rng(3).integers(0, 1 << 16, (7, 33), dtype=np.uint16).view(np.int16))
+    u = u.view(torch.uint16)
+    assert torch.equal(mx._quad(u, numpy=False), mx._quad(u, numpy=True))
+    assert torch.equal(mx._quad(u)[..., 1], mx.E2M1[(u.view(torch.int16).to(torch.int32) >> 4) & 0xF])
