@@ -139,6 +139,7 @@ class Report:
     position_errors: list[list[float]] = field(default_factory=list)  # [sequence][position] max |logit error|
     router_margin: list[dict] = field(default_factory=list)  # per layer: the reference's min / median margin
     texts: list[dict] = field(default_factory=list)  # per sequence: prompt, reference and build continuations
+    unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
 
     @property
     def too_many_forced(self) -> bool:
@@ -165,6 +166,7 @@ class Report:
                 "tail": {"norm_error": self.tail_norm_error, "lm_head_error": self.tail_lm_head_error,
                          "tolerance": TAIL_TOL, "departs": self.tail_departs},
                 "position_errors": self.position_errors, "router_margin": self.router_margin, "texts": self.texts,
+                "unmodeled_switches": self.unmodeled,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -224,6 +226,14 @@ def relative(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (ours - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
 
 
+def unmodeled_switches(m: dict) -> list[str]:
+    """``NAME=VALUE`` of the kernel switches a build's Neuron programs were compiled with that change
+    numerics the twins do not model (what a twin verify cannot vouch for)."""
+    from .compile.switches import lossy_on
+
+    return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
+
+
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         texts: list[str] | None = None, chat: bool = False, engine: str = "twin", loose: bool = False,
         other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu") -> Report:
@@ -276,6 +286,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
     _judge(rep, g, facts, kv)
     rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
+    rep.unmodeled = unmodeled_switches(m)
     return rep
 
 

@@ -5,10 +5,10 @@ program each). trn2 / trn3: the neuron backend, one NEFF a program and decode ba
 (``compiled/{decode,tail}-b<B>.neff``); without the Neuron SDK that part is recorded as
 ``skipped: Neuron SDK not installed`` and a warning says so (``require_neff`` makes it an error).
 
-The stage's key is the compiler (name, version), its flags, every program's signature and kernel
-scalars, the kernels (entry points, source and revision, trace-time switches, trace mode) and the
-gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph inputs,
-so new weights of the same shapes reuse the artifacts; a new compiler or kernel recompiles.
+The stage's key is the compiler (name, version), each program's flags, signature and kernel
+scalars, each program's kernel (library and revision, entry point, switch overrides, trace mode)
+and the gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph
+inputs, so new weights of the same shapes reuse the artifacts; a new compiler or kernel recompiles.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, inductor, kernel_source, neff, neuron, signature
+from . import cache as compile_cache, inductor, neff, neuron, signature
 from .programs import DecodeProgram, TailProgram
 
 OUT = "compiled"
@@ -38,8 +38,7 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     if sig.scalars:
         e["scalars"] = sig.scalars
     if kernel is not None:
-        e["kernel"] = {"entry": kernel[sig.program], "source": kernel["source"], "revision": kernel["revision"],
-                       "switches": kernel["switches"], "trace": kernel["trace"]}
+        e["kernel"] = kernel
     if path and (out / path).exists():
         e["size"], e["sha256"] = (out / path).stat().st_size, sha256_file(out / path)
     if sig.program in KV_UPDATE:
@@ -53,21 +52,21 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
     up before compiling a program (and pushed to after, if asked)."""
     r = plan.recipe
     sigs = signature.programs(plan)
-    kernel = None
+    kernels = {p: None for p in ("decode", "tail")}
     if r.backend == "inductor":
         backend, fmt, suffix = inductor, "aoti-pt2", "pt2"
-        flags = inductor.flags(r.target, r.decode.batch_sizes)
+        flags = {p: inductor.flags(r.target, r.decode.batch_sizes) for p in kernels}
         unavailable = inductor.available(r.target)
     else:
         backend, fmt, suffix = neuron, "neff", "neff"
-        flags = neuron.flags(r)
+        flags = {p: neuron.flags(r, p) for p in kernels}
         unavailable = neuron.sdk()
-        source = kernel_source.parse(r.compile.nki_library, r.path.parent if r.path else None)
-        kernel = neuron.kernel_record(r, source)
+        kernels = {p: neuron.kernel(r, p) for p in kernels}
     comp = backend.compiler()
+    kernel_keys = {p: None if rec is None else neuron.key_of(rec) for p, rec in kernels.items()}
     k = key("compile", r.backend, r.target, comp, flags,
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
-            plan.scalars, asdict(r.tail), kernel, unavailable, __version__)
+            plan.scalars, asdict(r.tail), kernel_keys, unavailable, __version__)
     paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
     if unavailable:
         status = f"skipped: {unavailable}"
@@ -76,25 +75,31 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        entries = [_entry(s, fmt, None, out, r.target, comp, flags, status, kernel) for s in sigs]
+        entries = [_entry(s, fmt, None, out, r.target, comp, flags[s.program], status, kernels[s.program])
+                   for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
+    roots = {}
+    if r.backend == "neuron":  # the checkouts say which switches each library reads: every one is set
+        from ..checkpoint.source import cache_root
+
+        for p in kernels:
+            roots[p], kernels[p] = neuron.prepare(r, p, kernels[p], cache_root())
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
-    keys = {s.key: compile_cache.program_key(plan, s, comp, flags, kernel) for s in sigs}
-    expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags}
+    keys = {s.key: compile_cache.program_key(plan, s, comp, flags[s.program], kernel_keys[s.program]) for s in sigs}
     t0 = time.perf_counter()
     if not cached:
         before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
+            expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags[s.program]}
             if cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect):
                 continue
             if r.backend == "inductor":
                 inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.key])
             else:
-                from ..checkpoint.source import cache_root
-
-                neuron.build(plan, s, out, source, cache_root())
-    entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags, "ok", kernel) for s in sigs]
+                neuron.build(plan, s, out, roots[s.program], kernels[s.program])
+    entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags[s.program], "ok", kernels[s.program])
+               for s in sigs]
     if r.backend == "neuron":
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()

@@ -4,7 +4,7 @@ Verify feeds every position the reference's token (teacher forcing), so every to
 the first step and the twins can run layer-major: layer 0 at every position, then layer 1, and so
 on. The arithmetic is the decode step's (``decode.attention``, ``decode.experts``, ``tail``) with
 the controls a runtime builds for each position (``driver.Controls``), and a layer writes its K/V
-in position order. A layer reads only its own KV entry, and in the per-buffer form a block belongs
+in position order. A layer reads only its own KV entry, and in the paired form a block belongs
 to one layer of a pair at a time (a sliding block is freed before the full layer can draw it), so
 the numbers are those of decoding step by step. What the order buys:
 

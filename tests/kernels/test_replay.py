@@ -27,12 +27,12 @@ def test_live_rows_are_distinct_and_spread_over_the_replicas(batch, dp, P):
         assert len({r % per for r in rows}) > 1  # and not always the same TP rank's x shard
 
 
-@pytest.mark.parametrize("sets", [["kv_cache.form=per_buffer"], []], ids=["per-buffer", "stacked"])
+@pytest.mark.parametrize("sets", [["kv_cache.form=paired"], []], ids=["paired", "stacked"])
 def test_layer_major_replay_gives_the_step_by_step_numbers(tmp_path, sets):
     """The replay's free stream against Session.step over the same tokens (all rows of the
     batch live, the reference's routing as the guide): the same hidden states and logits, to
     summation order (which can flip a bf16 rounding of the tail's lm_head operand: ~1e-3 of a
-    logit). Per-buffer KV: a pair's layers draw blocks from one pool, sliding blocks freed
+    logit). Paired KV: a pair's layers draw blocks from one pool, sliding blocks freed
     and reused, and layer-major order must not mix them."""
     out = tmp_path / "b"
     compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", list(sets)), out=out, quiet=True, compile=False)
