@@ -37,7 +37,7 @@ def test_layer_major_replay_gives_the_step_by_step_numbers(tmp_path, sets):
     out = tmp_path / "b"
     compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", list(sets)), out=out, quiet=True, compile=False)
     build = Build.open(out)
-    B, T = 4, 24  # past the sliding window (tiny: 16 positions), so sliding blocks are freed and reused
+    B, T = 4, 24  # past the sliding window (tiny: 8 positions), so sliding blocks are freed and reused
     ref = reference_run(materialize(parse("synth://tiny?layers=2&seed=0")), default_prompts(4096, B, 4), T - 4,
                         KvFormat("bf16"))
     s = Session(build, B, max_len=T, compact_kv=True)
