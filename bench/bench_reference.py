@@ -5,9 +5,10 @@ count, `gkbuild synth gpt-oss-120b --layers N`, `gkbuild golden` of it (4 prompt
 against that golden. Wall and CPU seconds (user + system) and peak RSS of each command, the load
 average around it (the machine is shared), and a least-squares line through the layer counts
 projected to the 36-layer model. Run alone: one 120b-width process at a time. Disk: a checkpoint
-and its build of the largest N at once (~32 GB at 8 layers); each is removed when done.
+and its build of the largest N at once (~33 GB at 8 layers); each is removed when done.
+`--resume` keeps what an interrupted run (e.g. a full disk) measured and made in ``--dir``.
 
-    .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref]
+    .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume]
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--resume", action="store_true", help="keep the measurements and files already in --dir")
     a = ap.parse_args()
     d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
+    if not a.resume:
+        shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
     os.environ["GKBUILD_CACHE"] = str(d / "cache")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     T = a.prompt_len + a.steps
@@ -57,16 +60,27 @@ def main() -> None:
     rows = {"golden": {}, "verify": {}}
     for L in a.layers:
         ck, g, out = d / f"ck{L}", d / f"golden{L}.safetensors", d / f"build{L}"
-        run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-        rows["golden"][L] = run_cpu([GK, "golden", str(ck), "--out", str(g), "--prompts", str(a.prompts), "--prompt-len",
-                                     str(a.prompt_len), "--steps", str(a.steps), "--kv", "fp8_e4m3", "-q"],
-                                    stderr=subprocess.DEVNULL)
-        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out", str(out),
-             "--no-compile", "-q"], stdout=subprocess.DEVNULL)
-        shutil.rmtree(ck)
-        with open(d / f"verify{L}.json", "w") as f:
-            rows["verify"][L] = run_cpu([GK, "verify", str(out), "--golden", str(g), "--json", "-q"], stdout=f)
-        shutil.rmtree(out)
+        measured = {kind: d / f"measured-{kind}{L}.json" for kind in rows}
+        if not measured["golden"].exists():
+            if not (ck / "config.json").exists():
+                shutil.rmtree(ck, ignore_errors=True)
+                run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
+            m = run_cpu([GK, "golden", str(ck), "--out", str(g), "--prompts", str(a.prompts), "--prompt-len",
+                         str(a.prompt_len), "--steps", str(a.steps), "--kv", "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL)
+            measured["golden"].write_text(json.dumps(m))
+        if not measured["verify"].exists():
+            if not (out / "manifest.json").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
+                     str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+            shutil.rmtree(ck, ignore_errors=True)
+            with open(d / f"verify{L}.json", "w") as f:
+                m = run_cpu([GK, "verify", str(out), "--golden", str(g), "--json", "-q"], stdout=f)
+            measured["verify"].write_text(json.dumps(m))
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        for kind in rows:
+            rows[kind][L] = json.loads(measured[kind].read_text())
         for kind in rows:
             m = rows[kind][L]
             print(f"| {kind} | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {m['wall'] / (L * T):.3f} s | "

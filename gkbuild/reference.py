@@ -300,7 +300,8 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
                     gap.append(g.cpu())
                     if out is not None:
                         probed.append(out.cpu())
-                    advance(1, f"pass {s + 1}/{passes}, layer {i + 1}/{L}")
+                    where = f"positions 1-{common}/{T}" if s == 0 else f"position {ids.shape[1]}/{T}"
+                    advance(1, f"{where}, layer {i + 1}/{L}")
                 h = norm(x)
                 logits = head(h)
                 chunks.append((logits, torch.stack(hid, 1), torch.stack(route, 1), torch.stack(gap, 1), h.cpu()))

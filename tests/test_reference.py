@@ -236,3 +236,20 @@ def test_old_goldens_are_refused_with_a_reason(tmp_path, fmt):
               metadata={"format": fmt, "prompt_len": "1", "meta": "{}"})
     with pytest.raises(GkError, match="older gkbuild.*regenerate"):
         Golden.load(p)
+
+
+def test_progress_names_the_position_and_layer(tiny_ckpt, monkeypatch):
+    """The golden's bar counts layer-passes (so its ETA is the whole run's) and names where it is."""
+    import contextlib
+
+    seen, total = [], []
+
+    @contextlib.contextmanager
+    def bar(description, n, quiet=False):
+        total.append(n)
+        yield lambda k, where="": seen.append(where)
+
+    monkeypatch.setattr(reference, "steps_bar", bar)
+    reference.run(tiny_ckpt, [[1, 2, 3], [4, 5, 6, 7]], steps=1, kv=KvFormat("bf16"))
+    assert total == [3 * 2] and len(seen) == 6  # positions 1-3 together, then 4 and 5; 2 layers each
+    assert seen[:3] == ["positions 1-3/5, layer 1/2", "positions 1-3/5, layer 2/2", "position 4/5, layer 1/2"]

@@ -20,6 +20,7 @@ place in every collective and every layout index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,10 +62,15 @@ def to_kernel(h: torch.Tensor, hp: int) -> torch.Tensor:
     return torch.from_numpy(hidden_layout.to_kernel(h.cpu().numpy(), -1, hp))
 
 
+@functools.cache
+def _lanes(hp: int) -> torch.Tensor:
+    """The kernel lane of each padded-HF hidden index."""
+    return torch.from_numpy(hidden_layout.sigma(hp)).argsort()
+
+
 def to_hf(x: torch.Tensor, H: int) -> torch.Tensor:
     """[..., Hp] kernel lanes -> [..., H] HF order, on the CPU."""
-    lanes = torch.from_numpy(hidden_layout.sigma(x.shape[-1])).argsort().to(x.device)
-    return x[..., lanes][..., :H].cpu()
+    return x[..., _lanes(x.shape[-1]).to(x.device)][..., :H].cpu()
 
 
 def live_rows(batch: int, dp: int, sequences: int) -> list[int]:
