@@ -1,7 +1,6 @@
 """Real text: synth's tokenizer and chat template, prompts through the checkpoint's own tokenizer
 (AutoTokenizer) in golden and verify, and the one line a checkpoint without a tokenizer gets."""
 
-import json
 import shutil
 
 import pytest

@@ -93,3 +93,25 @@ def test_a_fault_in_an_expert_no_prompt_routes_to_fails_and_names_it(tmp_path, t
     assert not rep.ok and rep.first_bad_layer == layer and rep.culprit.startswith(fault.culprit), rep.culprit
     assert [(x["layer"], x["expert"]) for x in rep.experts_failing] == [(layer, expert)]
     assert rep.experts_checked == 2 * 128 and rep.coverage[layer] < 128
+
+
+def test_a_nan_in_an_expert_no_prompt_routes_to_fails(tmp_path, topo_ckpt, topo_goldens):
+    """A scale byte of 255 (NaN in E8M0) that reaches an unrouted expert's shard: its probe rows
+    are NaN, which is a departure, not a pass."""
+    import numpy as np
+
+    from gkbuild.layout import experts_mx
+
+    g = topo_goldens["bf16"]
+    expert = faults.unused_experts(g, 1)[0]
+    fault = faults.Fault("a NaN scale in an unused expert's tile", 1, patch=lambda mp: faults.nth_call(
+        mp, experts_mx, "gate_up_scales", 2, lambda S, *a: _nan_scale(S, expert)))
+    rep = verify.run(_build(tmp_path, topo_ckpt, "bf16", fault), golden=g)
+    assert not rep.ok and rep.first_bad_layer == 1 and [x["expert"] for x in rep.experts_failing] == [expert]
+    assert rep.to_dict()["experts"]["failing"][0]["error"] is None  # strict JSON: an infinite error is null
+
+
+def _nan_scale(S, expert):
+    S = S.copy()
+    S[expert].reshape(-1)[0] = 255
+    return S

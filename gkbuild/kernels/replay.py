@@ -24,7 +24,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..layout import hidden as hidden_layout
@@ -120,7 +119,6 @@ class Replay:
         self.live_in_replica = [torch.nonzero(live[d * per:(d + 1) * per]).flatten().to(self.dev)
                                 for d in range(s.dp)]
         self.x = [[torch.zeros(positions, self.t_shard, self.hp, device=self.dev)] for _ in range(self.world)]
-        self.layers_done = 0
 
     # -- layout helpers ------------------------------------------------------------------------
     def to_kernel(self, h: torch.Tensor) -> torch.Tensor:
