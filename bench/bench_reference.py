@@ -86,8 +86,9 @@ def main() -> None:
             print(f"| {kind} | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {m['wall'] / (L * T):.3f} s | "
                   f"{m['cpu'] / (L * T):.3f} s | {gib(m['rss'])} | {m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
         rep = json.loads((d / f"verify{L}.json").read_text())
+        local = ", ".join(f"{w:.1e} / {m:.1e}" for w, m in zip(rep["layer_local_errors"], rep["layer_local_median"]))
         print(f"|  | verify {L} layers: ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, forced {rep['routing_forced']} "
-              f"of {rep['routing_total']}, local errors {[f'{e:.1e}' for e in rep['layer_local_errors']]}, worst expert "
+              f"of {rep['routing_total']}, local error by layer (worst / median) {local}, worst expert "
               f"{max(rep['experts']['worst_by_layer']):.1e}, tail {rep['tail']['norm_error']:.1e} / "
               f"{rep['tail']['lm_head_error']:.1e} | | | | | | |", flush=True)
     if len(a.layers) > 1:

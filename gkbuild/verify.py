@@ -55,10 +55,11 @@ MIN_FORCED = 4  # ties that may be forced whatever the share (a short verify is 
 # relative error of a layer's free-running hidden state that fails the tight tier by itself
 LAYER_TOL = {"tight": 0.01, "loose": 0.1}
 # A faithful build's layers on the reference's input, relative hidden-state error over every
-# (sequence, position): at most ~4e-4 where a K/V rounding (bf16, or FP8 at 120b widths) flips,
-# ~1e-6 at the median (measured on tiny, tiny-topology and 120b-width builds, bf16 and FP8 KV:
-# bench/RESULTS.md, "faithful noise floor"). A layer departs BLAME_FACTOR times above either.
-NOISE_FLOOR = {"max": 5e-4, "median": 1e-5}
+# (sequence, position): up to ~1e-3 where a K/V rounding flips (bf16; FP8 at 120b widths: 1.1e-3
+# in 8 layers), ~1e-6 at the median (measured on tiny, tiny-topology and 120b-width builds, bf16
+# and FP8 KV: bench/RESULTS.md, "faithful noise floor"). A layer departs BLAME_FACTOR times above
+# either; the median is the sharp one (a fault moves most positions, a rounding flip a few).
+NOISE_FLOOR = {"max": 1e-3, "median": 1e-5}
 BLAME_FACTOR = 10
 EXPERT_TOL = 1e-4  # relative error of an expert's output on a probe row (faithful: ~1e-7)
 TAIL_TOL = 1e-4  # relative error of the final norm's output and of the logits from it (faithful: ~1e-7)
@@ -354,7 +355,7 @@ def _replay(build, g, batch: int, engine: str, device: str, quiet: bool):
     P, T = g.token_ids.shape
     L = g.hidden.shape[1]
     m = build.manifest
-    session = Session(build, batch, max_len=T, compact_kv=True)
+    session = Session(build, batch, max_len=T, compact_kv=True, kv=False)
     rp = Replay(session, live_rows(batch, m["topology"]["dp"], P), T, device)
     E = m["model"]["num_local_experts"]
     f = _empty_facts(P, T, L, g, local=True)

@@ -4,9 +4,9 @@ Verify feeds every position the reference's token (teacher forcing), so every to
 the first step and the twins can run layer-major: layer 0 at every position, then layer 1, and so
 on. The arithmetic is the decode step's (``decode.attention``, ``decode.experts``, ``tail``) with
 the controls a runtime builds for each position (``driver.Controls``), and a layer writes its K/V
-in position order. A layer reads only its own KV entry, and in the paired form a block belongs
-to one layer of a pair at a time (a sliding block is freed before the full layer can draw it), so
-the numbers are those of decoding step by step. What the order buys:
+in position order. A layer reads only the K/V it wrote itself (its own entry, or in the paired
+form blocks no other layer holds at the same time), so the numbers are those of decoding step by
+step, and one layer's entry a rank is enough: memory stays flat in layers. What the order buys:
 
 - each layer's experts are decoded once for every position, and every local expert also runs on
   the golden's probe rows (``decode.Probe``): every expert shard is checked, routed or not;
@@ -109,7 +109,10 @@ class Replay:
         self.controls = [[_reachable(c, s.block).to(self.dev) for c in s.steps.next()] for _ in range(positions)]
         if self.dev.type != "cpu":
             s.tensors = [{k: v.to(self.dev) for k, v in t.items()} for t in s.tensors]
-        self.kv = [s.kv, [s.build.allocate_kv(s.steps.num_blocks) for _ in range(self.world)]]
+        # one layer's KV entry a rank and stream, emptied for each layer: a layer reads only what it
+        # wrote itself at earlier positions, so memory stays flat in layers
+        self.kv = [[s.build.allocate_kv(s.steps.num_blocks, one_layer=True) for _ in range(self.world)]
+                   for _ in (FREE, LOCAL)]
         for kvs in self.kv:
             for kv in kvs:
                 kv.allocations = [a.to(self.dev) for a in kv.allocations]
@@ -178,13 +181,15 @@ class Replay:
             w_out, b_out = t["W_out"][i].float(), t["bias_out"][i].float()
             for s in range(S):
                 kv = self.kv[s][r]
+                for a in kv.allocations:
+                    a.zero_()
                 for pos in range(self.T):
                     X = comm.all_gather(self.x[r][s][pos], "tp")
                     A = torch.zeros(X.shape[0], self.hp, device=self.dev)
                     if len(lr):
                         ctl = self.controls[pos][replica].select(lr)
                         a = decode.attention(t, i, decode.rms_norm(X[lr], ln1, sc.eps, sc.hidden_actual),
-                                             kv.k(i), kv.v(i), ctl, sc)
+                                             kv.k(0), kv.v(0), ctl, sc)
                         A[lr] = a @ w_out + b_out
                     self.x[r][s][pos] = self.x[r][s][pos] + comm.reduce_scatter(A, "tp")
                     if r == 0:

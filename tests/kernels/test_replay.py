@@ -47,7 +47,7 @@ def test_layer_major_replay_gives_the_step_by_step_numbers(tmp_path, sets):
         res = s.step(ref["token_ids"][:, t], collect_hiddens=True, guide=guide)
         steps.append(res.logits)
         hid.append(torch.stack(res.hiddens))
-    s2 = Session(Build.open(out), B, max_len=T, compact_kv=True)
+    s2 = Session(Build.open(out), B, max_len=T, compact_kv=True, kv=False)
     rp = Replay(s2, live_rows(B, 1, B), T)
     rp.embed(ref["token_ids"].T)
     for i in range(2):
