@@ -177,13 +177,16 @@ def unmodeled_switches(m: dict) -> list[str]:
 
 
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
-        engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True) -> Report:
+        engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True,
+        prefill=None) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
     when none is given), running it through the torch twins, (``engine="compiled"``) its compiled
     .pt2 programs, or (``engine="neuron"``, on a Trainium host) its NEFFs on the NeuronCores; the
     twins' per-layer hidden states are compared as each step produces them. ``other_checkpoint``
     accepts a golden made from another checkpoint than the build's source (to hold a build of an
-    edited checkpoint to the original model)."""
+    edited checkpoint to the original model). ``prefill`` (``di.decode.Prefill``): the prompts'
+    first N-1 positions come from a prefill engine over NIXL (``di.decode.pull``); the session
+    decodes, and is judged, from position N-1 on."""
     from .golden import Golden, checkpoint_hash, default_prompts, for_checkpoint
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
@@ -192,6 +195,13 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     build = Build.open(build_dir)
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
+    if prefill is not None:
+        from .di.nixl import api
+
+        if engine == "neuron":
+            raise GkError("--prefill nixl decodes through the twins or the compiled programs on this host, not "
+                          "--engine neuron")
+        api()  # before a golden is computed: one line where NIXL is missing
     if engine == "neuron":
         from .compile import neuron_run
 
@@ -224,12 +234,17 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if engine == "neuron":
         return _on_neuron(build, g, batch, rows, kv)
     session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
+    t0 = 0
+    if prefill is not None:
+        from .di.decode import pull
+
+        t0 = pull(build, session, g.token_ids[:, :g.prompt_len].tolist(), rows, prefill, quiet)
     ours = torch.empty(P, T, g.logits.shape[-1])
     errors = torch.zeros(P, T, L)
     departed = torch.zeros(P, T, L, dtype=torch.bool)
     forced = 0
-    with steps_bar("verify", T * L, quiet) as advance:
-        for t in range(T):
+    with steps_bar("verify", (T - t0) * L, quiet) as advance:
+        for t in range(t0, T):
             guide = RoutingGuide(g.routing[rows, :, t].transpose(0, 1), g.router_gap[rows, :, t].T, TIE)
             res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide,
                                on_layer=lambda i, t=t: advance(1, f"position {t + 1}/{T}, layer {i + 1}/{L}"))
@@ -244,8 +259,8 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
                 errors[p, t] = torch.maximum(errors[p, t], err[b]) if b >= P else err[b]
                 departed[p, t] |= guide.departed[:, b]
     build.close()
-    rep = compare(ours, g.logits, kv)
-    rep.routing_forced, rep.routing_total = forced, T * batch * L
+    rep = compare(ours, g.logits, kv, steps_from=t0)
+    rep.routing_forced, rep.routing_total = forced, (T - t0) * batch * L
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
     rep.layer_errors = errors.amax(dim=(0, 1)).tolist()
     rep.layer_routing = departed.sum(dim=(0, 1)).tolist()
