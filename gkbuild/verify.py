@@ -100,10 +100,29 @@ class Report:
     build_kv: str = ""
     layer_departs: bool = False  # a layer's hidden state or routing departs (fails at the tight tier)
     unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
+    prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
 
     @property
     def too_many_forced(self) -> bool:
         return self.routing_forced > MAX_FORCED * self.routing_total
+
+    def failure(self) -> str:
+        """What failed, in one line: the positions out of tolerance, the first layer whose hidden
+        state or routing departs, too many forced routings."""
+        where = f"layer {self.first_bad_layer}" if self.first_bad_layer is not None else "the tail (no layer departs)"
+        what = []
+        if self.first_failure:
+            what.append(f"sequence {self.first_failure[0]} position {self.first_failure[1]} is out of tolerance")
+        if self.layer_departs:
+            i = self.first_bad_layer
+            what.append(f"layer {i} departs from the reference (worst hidden-state error {self.layer_errors[i]:.3g}, "
+                        f"limit {LAYER_TOL[self.kv]}; {self.layer_routing[i]} routing departures)")
+        if self.too_many_forced:
+            what.append(f"routing was forced at true ties on {self.routing_forced} of {self.routing_total} "
+                        f"token-layers (more than {MAX_FORCED:.0%})")
+        di = f" (decoding from position {self.prefilled} on KV pulled over NIXL)" if self.prefilled else ""
+        return (f"verify failed{di}: {'; '.join(what)}; the first hidden state or routing to depart from the "
+                f"reference is {where}")
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "tolerances": self.kv, "golden_kv": self.golden_kv, "build_kv": self.build_kv,
@@ -112,7 +131,7 @@ class Report:
                 "first_failure": self.first_failure, "first_bad_layer": self.first_bad_layer,
                 "layer_departs": self.layer_departs,
                 "layer_errors": self.layer_errors, "layer_routing_departures": self.layer_routing,
-                "unmodeled_switches": self.unmodeled,
+                "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "ok": s.ok} for s in self.steps]}
@@ -262,6 +281,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     rep = compare(ours, g.logits, kv, steps_from=t0)
     rep.routing_forced, rep.routing_total = forced, (T - t0) * batch * L
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
+    rep.prefilled = t0
     rep.layer_errors = errors.amax(dim=(0, 1)).tolist()
     rep.layer_routing = departed.sum(dim=(0, 1)).tolist()
     first = attribute(errors, departed, kv)

@@ -31,7 +31,7 @@ import torch
 from ..errors import GkError, shown
 from ..layout.kv import pack_block
 from . import nixl, wire
-from .plan import block_pairs, descriptors, received_k_blocks, transfer_plan
+from .plan import block_pairs, covering_lengths, descriptors, received_k_blocks, transfer_plan
 
 _agents = count()
 STARTUP_TIMEOUT = 300.0  # s: a prefill process imports torch and transformers, opens its checkpoint
@@ -78,10 +78,42 @@ def prefill_args(build, tp: int, num_blocks: int) -> list[str]:
             "--num-blocks", str(num_blocks)]
 
 
+def pool_blocks(prompts: int, length: int, block: int, window: int) -> int:
+    """Blocks a prefill pool needs for ``prompts`` prompts of ``length`` tokens: the full group's
+    and the sliding group's (the window's ceil(W/block) + 1) for each."""
+    return prompts * (-(-length // block) + -(-window // block) + 1)
+
+
+@contextmanager
+def serving(build_dir, tp: int, golden_file, prompts: int | None, timeout: float):
+    """A prefill engine for a verify of ``build_dir`` (the CLI's ``--prefill nixl``): yields the
+    ``Prefill`` to pass to ``verify.run`` and the prompt lengths to run: the golden's, or
+    ``covering_lengths`` of the build's block and window."""
+    from ..golden import Golden
+    from ..runtime import Build
+
+    build = Build.open(build_dir)
+    try:
+        m = build.manifest
+        block, window = m["layout"]["kv"]["block_size"], m["model"]["sliding_window"]
+        if golden_file is not None:
+            g = Golden.load(golden_file)
+            count, lengths = g.token_ids.shape[0], [g.prompt_len]
+        else:
+            count = prompts or min(4, max(m["recipe"]["resolved"]["decode"]["batch_sizes"]))
+            lengths = covering_lengths(block, window)
+        args = prefill_args(build, tp, pool_blocks(count, max(lengths), block, window))
+    finally:
+        build.close()
+    with prefill_process(args) as (endpoint, _):
+        yield Prefill(tp=tp, endpoint=endpoint, timeout=timeout), lengths
+
+
 @contextmanager
 def prefill_process(args: list[str], startup_timeout: float = STARTUP_TIMEOUT):
-    """A prefill engine in its own process on 127.0.0.1: yields (host, port); shut down (then
-    killed if it lingers) on the way out. Its stderr's last line explains a failed start."""
+    """A prefill engine in its own process on 127.0.0.1: yields ((host, port), the process);
+    shut down (then killed if it lingers) on the way out. Its stderr's last line explains a
+    failed start."""
     nixl.api()  # one line, before a process is started, where NIXL is missing
     nixl.loopback_env()
     err = tempfile.TemporaryFile()
@@ -90,7 +122,7 @@ def prefill_process(args: list[str], startup_timeout: float = STARTUP_TIMEOUT):
     port = None
     try:
         port = _ready(proc, startup_timeout, err)
-        yield ("127.0.0.1", port)
+        yield ("127.0.0.1", port), proc
     finally:
         _stop(proc, None if port is None else ("127.0.0.1", port))
         err.close()
@@ -223,9 +255,8 @@ def pull(build, session, prompts: list[list[int]], rows: torch.Tensor, spec: Pre
     if spec.edit is not None:
         plan = spec.edit(plan)
     if spec.endpoint is None:  # an engine of its own for this pull, sized for these prompts
-        block, window = plan["decode"]["block_size"], plan["window"]
-        blocks = len(prompts) * (-(-len(prompts[0]) // block) + -(-window // block) + 1)
-        with prefill_process(prefill_args(build, spec.tp, blocks)) as endpoint:
+        blocks = pool_blocks(len(prompts), len(prompts[0]), plan["decode"]["block_size"], plan["window"])
+        with prefill_process(prefill_args(build, spec.tp, blocks)) as (endpoint, _):
             return _pull(build, session, prompts, rows, spec, plan, endpoint, quiet)
     return _pull(build, session, prompts, rows, spec, plan, spec.endpoint, quiet)
 
@@ -277,7 +308,12 @@ def _read(plan: dict, peer: Peer, session, pairs: dict, timeout: float) -> tuple
     try:
         names = []
         for i, r in enumerate(peer.ranks):
-            name = a.add_remote_agent(wire.unb64(r.get("metadata"), f"rank {i}'s agent metadata"))
+            md = wire.unb64(r.get("metadata"), f"rank {i}'s agent metadata")
+            try:
+                name = a.add_remote_agent(md)
+            except Exception as e:  # noqa: BLE001 - the bindings' own error types
+                raise GkError(f"{peer.where}: NIXL could not reach prefill rank {i}'s agent ({type(e).__name__}: "
+                              f"{str(e)[:120]}); no decode step ran") from None
             name = name.decode(errors="replace") if isinstance(name, bytes) else name
             if name != r.get("agent"):
                 raise GkError(f"{peer.where}: rank {i}'s metadata names agent {shown(name)}, not {shown(r.get('agent'))}")

@@ -39,9 +39,12 @@ def api():
 
 
 def loopback_env() -> None:
-    """UCX over TCP on the loopback device, unless the caller chose transports."""
+    """UCX over TCP on the loopback device, unless the caller chose transports; UCX's and NIXL's
+    native logs quiet below fatal unless asked for (a failure is reported here, in one line)."""
     os.environ.setdefault("UCX_TLS", "tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
 
 
 def agent(name: str):
@@ -107,9 +110,13 @@ class Reads:
             while pending:
                 still = []
                 for remote, h, n in pending:
-                    state = self.local.check_xfer_state(h)
+                    try:
+                        state = self.local.check_xfer_state(h)
+                        why = ""
+                    except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+                        state, why = "ERR", f": {type(e).__name__}"
                     if state == "ERR":
-                        raise GkError(f"NIXL READ from {remote} failed ({len(pending)} of {len(self.handles)} "
+                        raise GkError(f"NIXL READ from {remote} failed{why} ({len(pending)} of {len(self.handles)} "
                                       f"transfers not done)")
                     if state != "DONE":
                         still.append((remote, h, n))

@@ -139,7 +139,7 @@ def transfer_plan(doc: dict, prefill_tp: int, window: int) -> dict:
                 di = 2 * entry_of[i] + h
                 reads.append({"layer": i, "half": half, "group": table_of(i), "decode_region": di,
                               "decode_region_offset": regions[di]["offset"], "prefill_region": 2 * (i // 2) + h,
-                              "segments": segs})
+                              "segments": [dict(s) for s in segs]})
         ranks.append({"rank": r, "kv_heads": hs, "reads": reads})
     return {
         "format": "gkbuild-di-plan-1",

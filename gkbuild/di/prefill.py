@@ -254,7 +254,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
 def _exit_with_parent() -> None:
     """Exit as soon as stdin closes: the process that started this one is gone."""
     def watch():
-        while sys.stdin.buffer.read(1 << 12):
+        while os.read(0, 1 << 12):  # the raw fd: a buffered stdin's lock would stall shutdown
             pass
         os._exit(0)
 
