@@ -1,11 +1,13 @@
 """NIXL, as the ``nixl`` Python API (nixl-cu12 on PyPI) exposes it: agents, registration, READ.
 
-The calls are ``nixl._api.nixl_agent``'s (nixl-cu12 1.5.1, ``nixl_cu12/_api.py``):
-``nixl_agent(name, nixl_agent_config(backends=["UCX"]))``, ``register_memory(tensors)``,
-``get_agent_metadata()`` / ``add_remote_agent(bytes)``, ``initialize_xfer("READ", local descs,
-remote descs, remote agent, notif)``, ``transfer(handle)`` -> "DONE" | "PROC" | "ERR",
-``check_xfer_state(handle)``, ``release_xfer_handle``, ``get_new_notifs()``. Descriptors are
-(address, length, device id) rows with memory type "DRAM" (``get_xfer_descs`` of an Nx3 array).
+The calls are ``nixl_agent``'s (nixl-cu12 1.5.1 on PyPI, ``nixl_cu12/_api.py``):
+``nixl_agent(name, nixl_agent_config(enable_prog_thread=..., backends=["UCX"]))`` (:148-189),
+``register_memory(tensors)`` (:407), ``get_agent_metadata()`` / ``add_remote_agent(bytes)``
+(:869, :899), ``initialize_xfer("READ", local descs, remote descs, remote agent)`` (:612),
+``transfer(handle)`` and ``check_xfer_state(handle)`` -> "DONE" | "PROC" | "ERR" (:651, :673),
+``get_new_notifs()`` (:783). Descriptors are (address, length, device id) rows with memory type
+"DRAM" (``get_xfer_descs`` of an Nx3 array, :1012). Its ``get_serialized_descs`` pickles
+(:1214-1223): descriptors are never taken from a peer that way here.
 
 UCX picks its transports from the environment when an agent is made; a DI run on one host goes
 over TCP on the loopback device unless the caller set ``UCX_TLS`` / ``UCX_NET_DEVICES`` itself.
@@ -49,7 +51,8 @@ def loopback_env() -> None:
 
 def agent(name: str):
     """A NIXL agent with the UCX backend, quiet below warnings, and without a progress thread:
-    the binding's thread polls with no delay (a core busy for as long as the agent lives), so
+    the binding's thread polls with no delay (``pthrDelay = 0``, ``_api.py:226``: a core busy for
+    as long as the agent lives), so
     the caller progresses it instead: an initiator by polling ``check_xfer_state`` (``Reads``), a
     target whose memory may be read by calling ``progress`` (UCX over TCP serves a remote READ
     only while the target's worker progresses)."""
@@ -57,7 +60,7 @@ def agent(name: str):
     mod = api()
     import logging
 
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its handler writes INFO lines to stdout
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its handler writes INFO to stdout (logging.py:53)
     try:
         a = mod.nixl_agent(name, mod.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     except Exception as e:  # noqa: BLE001 - the bindings raise their own types

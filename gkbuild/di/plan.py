@@ -54,6 +54,10 @@ PACKED_K = {
     "where": "on the decode side, after every READ of a request has completed and before its first decode step: "
              "each received K block is relaid in place (gkbuild.layout.kv.pack_block); V is never packed",
     "why": "no byte run longer than one byte is common to the two orders, so NIXL byte copies cannot reorder them",
+    "source": "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07 src/nkilib_src/nkilib/models/gpt_oss/"
+              "c128_giga_kernel/experimental/transformer/attention_block_tkg.py:268-270 (the last axis packs two "
+              "consecutive positions), :2454-2457 and :2527-2601 (_k_update_fp8_packed: slot s in row s >> 1, "
+              "byte 2c + (s & 1))",
 }
 
 
