@@ -91,7 +91,9 @@ def main() -> None:
     plan = transfer_plan(kv_doc(nb), 4, 128)
     ids = np.arange(nb, dtype=np.int64)
     pairs = {g: np.stack([ids, ids], axis=1) for g in ("full", "swa")}
+    t = time.perf_counter()
     d = descriptors(plan, 1, pairs)  # rank 1: kv head 1, the second head of prefill rank 0's blocks
+    built = time.perf_counter() - t
     assert (d[:, 2] == 0).all()
     K = torch.zeros(36, nb, 1, 128, 64, dtype=torch.uint8)
     V = torch.zeros_like(K)
@@ -134,7 +136,8 @@ def main() -> None:
         tm.append(memcpy())
     n, m = statistics.median(tn), statistics.median(tm)
     gib = total / 2**30
-    print(f"per-rank KV: {nb} blocks x 36 layers x K/V = {gib:.2f} GiB in {len(d)} descriptors of 8 KiB")
+    print(f"per-rank KV: {nb} blocks x 36 layers x K/V = {gib:.2f} GiB in {len(d)} descriptors of 8 KiB "
+          f"(built from the plan in {built * 1e3:.0f} ms)")
     print(f"NIXL READ (UCX/TCP, 127.0.0.1): {n:.2f} s = {gib / n:.2f} GiB/s; memcpy: {m:.3f} s = {gib / m:.2f} GiB/s; "
           f"memcpy / NIXL = {n / m:.1f}x (medians of {a.repeat}, alternating)")
     ag.remove_remote_agent(name)
