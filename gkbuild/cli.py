@@ -328,7 +328,7 @@ def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkp
 
     With --prefill nixl and no --golden, it runs one prompt set per length the SWA N-1 rule must
     cover (longer than the sliding window; N % block == 0 and N % block == block - 1)."""
-    from .verify import run
+    from .verify import check_prefill, run
 
     quiet = quiet or as_json
     kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, engine=engine, loose=loose,
@@ -338,6 +338,7 @@ def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkp
     else:
         from .di.decode import serving
 
+        check_prefill(engine)  # before a prefill process is started
         with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
     if as_json:

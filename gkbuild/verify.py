@@ -195,6 +195,17 @@ def unmodeled_switches(m: dict) -> list[str]:
     return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
 
 
+def check_prefill(engine: str) -> None:
+    """A DI verify can run here: the decode on this host (twins or compiled programs) and NIXL
+    installed; else one line, before any work."""
+    from .di.nixl import api
+
+    if engine == "neuron":
+        raise GkError("--prefill nixl decodes through the twins or the compiled programs on this host, not "
+                      "--engine neuron")
+    api()
+
+
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True,
         prefill=None) -> Report:
@@ -215,12 +226,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
     if prefill is not None:
-        from .di.nixl import api
-
-        if engine == "neuron":
-            raise GkError("--prefill nixl decodes through the twins or the compiled programs on this host, not "
-                          "--engine neuron")
-        api()  # before a golden is computed: one line where NIXL is missing
+        check_prefill(engine)  # before a golden is computed
     if engine == "neuron":
         from .compile import neuron_run
 

@@ -13,16 +13,17 @@ agent for the process, registering every rank's K and V tensors: the descriptors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -68,7 +69,6 @@ def prefill_args(build, tp: int, num_blocks: int) -> list[str]:
     """The prefill engine for a build: its source checkpoint, the build's KV format and block size."""
     from ..checkpoint.source import materialize, parse
     from ..verify import build_kv
-    from pathlib import Path
 
     m = build.manifest
     root = materialize(parse(m["source"]["uri"], base=Path.cwd()))
