@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import jsonio
 from .errors import GkError
 from .reference import KvFormat
 
@@ -86,7 +87,7 @@ class Golden:
                 raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
             t = {k: f.get_tensor(k) for k in TENSORS}
         try:
-            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=json.loads(meta["meta"]))
+            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
             g.kv  # noqa: B018 - validates the recorded KV format
         except (KeyError, ValueError, TypeError) as e:
             raise GkError(f"{path}: golden metadata is damaged ({e})") from None

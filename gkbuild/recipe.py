@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from .errors import GkError, shown
+from .jsonio import MAX_DEPTH
 from .layout.tail import batch_groups_refusal
 from .layout.dims import MX_TILE, pad_to
 from .model import FULL, SLIDING, GptOssConfig
@@ -308,15 +309,24 @@ INT_LISTS = ("topology.hops", "decode.batch_sizes")
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes) and without
-    duplicate keys (the last one would win silently)."""
+    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes), nested at
+    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), and without duplicate
+    keys (the last one would win silently)."""
+
+    depth = 0
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            ev = self.peek_event()
+        ev = self.peek_event()
+        if isinstance(ev, yaml.AliasEvent):
             raise GkError(f"line {ev.start_mark.line + 1}: YAML aliases (*{ev.anchor[:40]}) are not "
                           f"allowed in a recipe")
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            raise GkError(f"line {ev.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()

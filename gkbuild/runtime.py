@@ -13,14 +13,13 @@ copy-on-write and returns torch tensors that share those pages.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, jsonio
 from .pipeline import manifest as mf
 from .checkpoint.safetensors_io import MappedFile, read_header
 from .errors import GkError, shown
@@ -253,10 +252,7 @@ class Build:
     def layout_doc(self, kind: str) -> dict:
         """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard."""
         p = self.file(self.manifest["layout"][kind]["file"])
-        try:
-            doc = json.loads(p.read_bytes())
-        except (ValueError, OSError) as e:
-            raise GkError(f"{p}: not readable JSON ({str(e)[:80]})") from None
+        doc = jsonio.read(p, mf.MAX_MANIFEST)
         if not isinstance(doc, dict):
             raise GkError(f"{p}: not a JSON object")
         return doc

@@ -16,18 +16,18 @@ what was recorded; an interrupted download leaves only a ``.partial`` file, redo
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import s3
-from ..errors import GkError
+from ..errors import GkError, shown
+from ..paths import create
 from ..pipeline.fingerprint import Fingerprints
-from ..pipeline.state import write_json_atomic
+from ..pipeline.state import read_json_record, write_json_atomic
 from ..progress import Advance, warn
-from .reader import INDEX, SINGLE
+from .reader import INDEX, SINGLE, read_index
 from .source import cache_root
 
 RANGE = 32 << 20  # bytes a ranged GET reads
@@ -41,6 +41,18 @@ def cache_dir(ref: s3.S3Ref) -> Path:
     return cache_root() / "s3" / ref.bucket / (ref.prefix or "_root")
 
 
+def _record_problem(d) -> str | None:
+    """Why a mirror record is not one this module wrote (it is then set aside, never trusted)."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    for name, r in d.items():
+        ok = (isinstance(r, dict) and isinstance(r.get("etag"), str) and isinstance(r.get("sha256"), str)
+              and all(isinstance(r.get(k), int) and not isinstance(r[k], bool) for k in ("size", "mtime_ns")))
+        if not ok:
+            return f"the entry for {shown(name)} is malformed"
+    return None
+
+
 class _Mirror:
     """One source's local cache: what was verified (name -> etag, size, mtime_ns, sha256)."""
 
@@ -48,11 +60,7 @@ class _Mirror:
         self.ref, self.uri = s3.parse(uri), uri
         self.dir = cache_dir(self.ref)
         self.fs = s3.filesystem()
-        try:
-            self.record = json.loads((self.dir / RECORD).read_text())
-            assert isinstance(self.record, dict)
-        except (OSError, ValueError, AssertionError):
-            self.record = {}
+        self.record = read_json_record(self.dir / RECORD, _record_problem) or {}
         self.lock = threading.Lock()
         self.fps = Fingerprints(cache_root())
 
@@ -104,7 +112,7 @@ class _Mirror:
         """Parallel ranged GETs, each read in chunks and written at its offset, pinned to the
         object's ETag (s3fs reads with If-Match), so a replaced object fails instead of mixing."""
         size = obj["size"]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = create(tmp)
         try:
             os.ftruncate(fd, size)
 
@@ -180,10 +188,7 @@ def resolve(uri: str, advance: Advance = lambda n: None) -> Path:
     m.get("config.json", objs.get("config.json"), limit=MAX_SMALL)
     if INDEX in objs:
         idx = m.get(INDEX, objs[INDEX], limit=MAX_SMALL)
-        try:
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise GkError(f"source {uri}: {INDEX} is not a valid safetensors index") from None
+        files = sorted(set(read_index(idx, f"source {uri}/{INDEX}").values()))
     else:
         files = [SINGLE]
     bad = [f for f in files if not isinstance(f, str) or Path(f).name != f or f.startswith(".")]

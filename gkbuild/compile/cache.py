@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import GkError
-from ..paths import confined
+from ..paths import confined, create
 from ..pipeline.state import key
 from ..progress import warn
 from ..publish import codec, index
@@ -157,7 +157,7 @@ class CompileCache:
                 if a.get(f) != expect[f]:
                     raise GkError(f"{where}: the entry's {f} is {a.get(f)!r}, this compile's is {expect[f]!r}")
             dst.parent.mkdir(parents=True, exist_ok=True)
-            with self.store.open_blob(a["blob"]) as src, open(tmp, "wb") as out:
+            with self.store.open_blob(a["blob"]) as src, os.fdopen(create(tmp), "wb") as out:
                 got = codec.decode(src, out, a["encoding"], a["size"], a["stored_size"], f"{self.uri}/{a['blob']}")
             if got != a["sha256"]:
                 raise GkError(f"{self.uri}/{a['blob']}: sha256 {got[:16]} differs from the entry's {a['sha256'][:16]}")
@@ -219,8 +219,11 @@ def entries(store) -> list[dict]:
 
 def prune(store, keep: set[str] | None = None) -> dict:
     """Drop entries whose blob is gone or is not one the entry could name, entries whose key is
-    not in ``keep`` (when given), then blobs no remaining entry names. Only names a push writes
-    are ever deleted."""
+    not in ``keep`` (when given), then blobs no remaining entry names, nor the store's publish
+    index (a cache may share a store with builds), unless a publish is in progress there (its
+    lease). Only names a push writes are ever deleted."""
+    from ..publish.leases import others_alive
+
     blobs = {n: size for n, size in store.stored().items() if index.is_blob(n)}
     drop, live, kept = [], set(), 0
     for e in entries(store):
@@ -231,7 +234,9 @@ def prune(store, keep: set[str] | None = None) -> dict:
         else:
             live.add(a["blob"])
             kept += 1
-    dead = sorted(n for n in blobs if n not in live)
+    raw = store.read_index()
+    published = index.blobs(index.parse(raw, f"{store.uri}/{index.NAME}")) if raw is not None else set()
+    dead = [] if others_alive(store) else sorted(n for n in blobs if n not in live | published)
     store.delete(drop + dead)
     return {"entries_removed": len(drop), "blobs_removed": len(dead), "entries_kept": kept,
             "bytes_freed": sum(blobs[n] for n in dead)}
@@ -241,7 +246,10 @@ def build_keys(build_dir: Path) -> set[str]:
     """The compile keys of a build's programs (from its manifest)."""
     from ..pipeline import manifest as mf
 
-    return set(mf.load(build_dir)["compile"].get("cache_keys", {}).values())
+    keys = set(mf.load(build_dir)["compile"].get("cache_keys", {}).values())
+    if not keys:  # keeping "only its programs" would then drop every entry
+        raise GkError(f"{build_dir}: has no compiled programs (no compile keys); refusing to prune by it")
+    return keys
 
 
 def push_build(cache: CompileCache, build_dir: Path) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import sys
 
 
@@ -105,7 +104,9 @@ def trace(spec: dict) -> bytes:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
+    from gkbuild.jsonio import read
+
+    spec = read(argv[0], 1 << 20)
     try:
         hlo = trace(spec)
     except TraceError as e:

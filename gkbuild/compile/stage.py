@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import GkError
+from ..paths import inside
 from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
@@ -69,6 +70,8 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
             plan.scalars, asdict(r.tail), kernel, unavailable, __version__)
     paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
+    for p in paths.values():  # written and replaced below: never through a link
+        inside(out, p)
     if unavailable:
         status = f"skipped: {unavailable}"
         if r.backend == "neuron" and require_neff:

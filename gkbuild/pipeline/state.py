@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import fsync_dir
+from .. import jsonio
 from ..errors import GkError
-from ..paths import STATE_DIR, confined
+from ..paths import STATE_DIR, confined, create
 
 MAX_RECORD = 64 << 20  # a state or fingerprint file is never near this; a bigger one is not read
 
@@ -28,7 +29,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -58,13 +59,13 @@ def read_json_record(path: Path, valid) -> dict | None:
     from ..progress import warn
 
     try:
-        if path.stat().st_size > MAX_RECORD:
-            raise ValueError(f"{path.stat().st_size} bytes")
-        obj = json.loads(path.read_bytes())
+        obj = jsonio.read(path, MAX_RECORD)
         why = valid(obj)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except jsonio.BadJson as e:
+        why = str(e).removeprefix(f"{path}: ")
+    except OSError as e:
         why = str(e) or type(e).__name__
     if why is None:
         return obj

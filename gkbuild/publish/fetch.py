@@ -22,14 +22,13 @@ from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import STATE_DIR, read_json_record, write_bytes_atomic, write_json_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
-from ..paths import confined, inside
+from ..paths import confined, create, inside
 from ..progress import bar
 from . import codec, index
 from .parallel import run_each
 from .stores import open_store
 
 RECORD = f"{STATE_DIR}/fetch.json"
-MAX_MANIFEST = 64 << 20
 
 
 def read_manifest(store) -> tuple[dict, dict, bytes]:
@@ -41,7 +40,7 @@ def read_manifest(store) -> tuple[dict, dict, bytes]:
     idx = index.parse(raw, f"{store.uri}/{index.NAME}")
     e = idx["manifest"]
     where = f"{store.uri}/{e['blob']} (the manifest)"
-    if e["size"] > MAX_MANIFEST:
+    if e["size"] > mf.MAX_MANIFEST:
         raise GkError(f"{where}: declares {e['size']} bytes; a manifest is never that large")
     buf = io.BytesIO()
     with store.open_blob(e["blob"]) as f:
@@ -146,7 +145,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         raise GkError(f"{dest}: exists and is not a folder; fetch into a new or empty folder")
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "dest": str(dest),
               "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0}
-    if (dest / mf.NAME).exists() and (dest / mf.NAME).read_bytes() == man_bytes:
+    if (dest / mf.NAME).exists() and mf.read_bytes(dest) == man_bytes:
         report["already"] = True
         return report
     inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
@@ -164,7 +163,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
         where = f"{store.uri}/{f['blob']} ({f['path']})"
         try:
-            with store.open_blob(f["blob"]) as s, open(tmp, "wb") as out:
+            with store.open_blob(f["blob"]) as s, os.fdopen(create(tmp), "wb") as out:
                 got = codec.decode(s, out, f["encoding"], f["size"], f["stored_size"], where, advance)
                 out.flush()
                 os.fsync(out.fileno())

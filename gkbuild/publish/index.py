@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 
+from .. import jsonio
 from ..errors import GkError
 from ..paths import confined
 from .codec import EXT
@@ -71,10 +72,7 @@ def dumps(index: dict) -> bytes:
 
 def load_versioned(data: bytes, where: str, fmt: str, version: int, what: str) -> dict:
     """A JSON object of a gkbuild ``format`` and ``version`` (what a store holds), else one line."""
-    try:
-        doc = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GkError(f"{where}: not valid JSON ({e})") from None
+    doc = jsonio.loads(data, where)
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise GkError(f"{where}: not a gkbuild {what}")
     if doc.get("version") != version:

@@ -19,7 +19,8 @@ from ..errors import GkError
 from ..progress import bar, warn
 from . import codec, index
 from .parallel import run_each
-from .stores import open_store
+from .leases import Lease, expired, others_alive
+from .stores import live_blobs, open_store
 
 
 def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
@@ -45,10 +46,17 @@ def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
 def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | None = None, prune: bool = False,
             quiet: bool = False, api=None, fs=None) -> dict:
     """Publish ``build_dir`` to ``dest`` (a folder or ``hf://org/name[@branch]``); returns a report."""
-    build_dir = Path(build_dir)
-    m = mf.load(build_dir)
-    man_bytes = (build_dir / mf.NAME).read_bytes()
-    store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
+    store = open_store(dest, staging=Path(build_dir) / STATE_DIR / "publish", api=api, fs=fs)
+    if not store.leases:
+        return _publish(Path(build_dir), store, level, jobs, prune, quiet, None)
+    store.prepare()  # refuses a folder that is not a store before the lease is written into it
+    with Lease(store) as lease:  # taken before the store is listed: a --prune elsewhere sees this publish
+        return _publish(Path(build_dir), store, level, jobs, prune, quiet, lease)
+
+
+def _publish(build_dir: Path, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease) -> dict:
+    man_bytes = mf.read_bytes(build_dir)
+    m = mf.parse(man_bytes, str(build_dir / mf.NAME))
     prev_bytes = store.read_index()
     prev = index.parse(prev_bytes, f"{store.uri}/{index.NAME}") if prev_bytes is not None else None
     stored = store.stored()
@@ -75,6 +83,8 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
 
     def store_one(same: list[dict]) -> None:
         f = same[0]
+        if lease:
+            lease.renew()
         e = _stored_entry(f, stored, store)
         if e is not None:
             with lock:
@@ -100,7 +110,29 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     if not added and prev is not None and index.dumps(idx) == prev_bytes:  # every blob checked, none missing
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
+    if lease:
+        gone = sorted(index.blobs(idx) - store.stored().keys())
+        if gone:  # a prune that started before this publish's lease removed a blob it reuses
+            raise GkError(f"{store.uri}: {gone[0]} vanished while publishing (a concurrent --prune?); nothing of "
+                          f"this publish is visible: run it again")
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
-    report.update(already=False, entries=idx["files"],
-                  where=store.commit(index.dumps(idx), added, message, prune))
+    report.update(already=False, entries=idx["files"], where=store.commit(index.dumps(idx), added, message))
+    if prune and lease:
+        report["pruned"] = prune_store(store, lease)
     return report
+
+
+def prune_store(store, lease: Lease) -> int:
+    """After a commit: delete the blobs the store's current index (re-read: another publish may
+    have committed since) and its compile cache do not name, temporaries and expired leases;
+    nothing while another publish holds a live lease. How many files it removed."""
+    others = others_alive(store, lease.name)
+    if others:
+        o = others[0]
+        warn(f"{store.uri}: {len(others)} other publish(es) in progress ({o.get('owner', '?')[:12]} on "
+             f"{o.get('host', '?')}); blobs not pruned (run --prune again later)")
+        return 0
+    keep = live_blobs(store, store.read_index())
+    dead = sorted(n for n in store.stored() if n not in keep) + store.temporaries()
+    store.delete(dead + expired(store))
+    return len(dead)
