@@ -16,6 +16,9 @@ from pathlib import Path
 from .errors import GkError, shown
 
 STATE_DIR = ".gkbuild"
+# Beside a build's manifest: its signature and signed provenance (gkbuild.publish.signing).
+SIGNATURE, PROVENANCE = "manifest.sig", "provenance.json"
+RESERVED = (STATE_DIR, "manifest.json", SIGNATURE, PROVENANCE)
 MAX_PATH = 4096
 
 
@@ -24,7 +27,7 @@ def confined(path: object, where: str) -> str:
     ``..``, no empty or dot components, no backslashes, not the state folder or the manifest."""
     parts = path.split("/") if isinstance(path, str) and len(path) <= MAX_PATH else []
     if (not parts or path.startswith("/") or "\\" in path or "\0" in path
-            or any(p in ("", ".", "..") for p in parts) or parts[0] in (STATE_DIR, "manifest.json")):
+            or any(p in ("", ".", "..") for p in parts) or parts[0] in RESERVED):
         raise GkError(f"{where}: path {shown(path)} would escape the build folder (or is reserved); refused")
     return path
 

@@ -33,6 +33,7 @@ from ..paths import claim, file_lock, inside, our_temporaries
 from ..plan import Plan, ShardFile, make_plan
 from ..progress import Progress
 from ..recipe import Recipe
+from ..publish import signing
 from . import manifest as mf
 from .emit import LAYOUT_VERSION, Context, ShardJob, init_worker, run_hash, run_shard
 from .fingerprint import Fingerprints, sha256_file
@@ -168,6 +169,7 @@ class _Build:
         path = self.out / mf.NAME
         if path.exists() or path.is_symlink():
             path.unlink()
+            signing.write_folder(self.out, None)  # a signature of the old manifest goes with it
             fsync_dir(self.out)
 
     def report(self, name: str, ran: bool, t0: float, detail: str = "") -> None:
