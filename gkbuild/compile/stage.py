@@ -81,7 +81,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
              f"the {r.backend} stage as skipped)")
         entries = [_entry(s, fmt, None, out, r.target, comp, flags, status, kernel) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
-    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
+    # re-verified: an artifact edited since it was compiled is compiled (or restored) again
+    cached = state.stages.get("compile") == k and all(
+        (out / p).is_file() and sha256_file(out / p) == state.artifacts.get(p) for p in paths.values())
     keys = {s.key: compile_cache.program_key(plan, s, comp, flags, kernel) for s in sigs}
     expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags}
     t0 = time.perf_counter()
@@ -98,6 +100,7 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
 
                 neuron.build(plan, s, out, source, cache_root())
     entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags, "ok", kernel) for s in sigs]
+    state.artifacts = {e["path"]: e["sha256"] for e in entries}
     if r.backend == "neuron":
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()
