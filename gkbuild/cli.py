@@ -264,9 +264,12 @@ def _prompt_ids(text: str | None) -> list[list[int]] | None:
 @click.argument("checkpoint")
 @click.option("--out", "out_file", required=True, type=click.Path(path_type=Path), help="Golden file to write.")
 @click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6' (same length).")
-@click.option("--prompts", "n_prompts", default=4, show_default=True, help="Random prompts, when no --prompt-ids.")
-@click.option("--prompt-len", default=4, show_default=True, help="Length of the random prompts.")
-@click.option("--steps", default=16, show_default=True, help="Greedy continuation steps after each prompt.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=4, show_default=True,
+              help="Random prompts, when no --prompt-ids.")
+@click.option("--prompt-len", type=click.IntRange(1, 1 << 16), default=4, show_default=True,
+              help="Length of the random prompts.")
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
+              help="Greedy continuation steps after each prompt.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--kv", "kv_dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp32"]), default="bf16",
               show_default=True, help="The KV cache the reference emulates: the build's kv dtype (trn2 FP8 is "
@@ -290,7 +293,10 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
-    prompts = _prompt_ids(prompt_ids) or default_prompts(model_config(spec).V, n_prompts, prompt_len, seed)
+    vocab = model_config(spec).V
+    prompts = _prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed)
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
     g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
@@ -300,8 +306,10 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("--golden", "golden_file", type=click.Path(path_type=Path), default=None,
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
-@click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
-@click.option("--prompts", "n_prompts", type=int, default=None, help="Sequences (no --golden; default min(4, batch)).")
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
+              help="Decode steps after the prompt (no --golden).")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=None,
+              help="Sequences (no --golden; default min(4, batch)).")
 @click.option("--engine", type=click.Choice(["twin", "compiled", "neuron"]), default="twin", show_default=True,
               help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda); "
                    "neuron: the build's NEFFs on this Trainium host's NeuronCores, every rank (needs the Neuron SDK).")
@@ -621,6 +629,9 @@ def recipe_doc():
 
 
 def main(argv=None) -> None:
+    for stream in (sys.stdout, sys.stderr):  # names from files are data: a lone surrogate prints escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
     except GkError as e:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .. import s3
 from ..errors import GkError, shown
-from ..paths import create
+from ..paths import create, file_lock
 from ..pipeline.fingerprint import Fingerprints
 from ..pipeline.state import read_json_record, write_json_atomic
 from ..progress import Advance, warn
@@ -83,23 +83,25 @@ class _Mirror:
         if limit is not None and obj["size"] > limit:
             raise GkError(f"source {self.uri}/{name}: {obj['size']} bytes; refusing to read more than {limit}")
         local = self.dir / name
-        rec = self.record.get(name)
-        if rec and rec.get("etag") == obj["ETag"] and rec.get("size") == obj["size"] and local.is_file():
-            st = local.stat()
-            if [st.st_size, st.st_mtime_ns] == [rec["size"], rec["mtime_ns"]]:
-                return local
+        if self._cached(name, obj, local):
+            return local
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.{os.getpid()}.partial"
-        try:
-            with s3.errors(self.uri):
-                head = self.fs.call_s3("head_object", Bucket=self.ref.bucket, Key=self.ref.key(name))
-                if head["ETag"] != obj["ETag"] or head["ContentLength"] != obj["size"]:
-                    raise GkError(f"source {self.uri}/{name}: changed while being read; run again")
-                self._download(name, obj, tmp, advance)
-                sha = self._verify(name, head, tmp)
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with file_lock(self.dir / f".{name}.lock"):  # one download of a file at a time, across processes
+            if self._cached(name, obj, local):  # another process got it meanwhile
+                return local
+            for stale in self.dir.glob(f".{name}.*.partial"):  # a killed download's (we hold the lock)
+                stale.unlink()
+            tmp = self.dir / f".{name}.{os.getpid()}.partial"
+            try:
+                with s3.errors(self.uri):
+                    head = self.fs.call_s3("head_object", Bucket=self.ref.bucket, Key=self.ref.key(name))
+                    if head["ETag"] != obj["ETag"] or head["ContentLength"] != obj["size"]:
+                        raise GkError(f"source {self.uri}/{name}: changed while being read; run again")
+                    self._download(name, obj, tmp, advance)
+                    sha = self._verify(name, head, tmp)
+                os.replace(tmp, local)
+            finally:
+                tmp.unlink(missing_ok=True)
         st = local.stat()
         with self.lock:
             self.record[name] = {"etag": obj["ETag"], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
@@ -107,6 +109,16 @@ class _Mirror:
             self.fps.remember(local, sha)  # the build reuses this hash instead of reading the file again
             self.fps.save()
         return local
+
+    def _cached(self, name: str, obj: dict, local: Path) -> bool:
+        """Whether the cache holds this version of ``name`` (the record, re-read: another process
+        may have written it)."""
+        self.record = {**self.record, **(read_json_record(self.dir / RECORD, _record_problem) or {})}
+        rec = self.record.get(name)
+        if not (rec and rec["etag"] == obj["ETag"] and rec["size"] == obj["size"] and local.is_file()):
+            return False
+        st = local.stat()
+        return [st.st_size, st.st_mtime_ns] == [rec["size"], rec["mtime_ns"]]
 
     def _download(self, name: str, obj: dict, tmp: Path, advance: Advance) -> None:
         """Parallel ranged GETs, each read in chunks and written at its offset, pinned to the

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..errors import GkError
+from ..errors import GkError, os_error
 from ..paths import inside
 from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
@@ -105,8 +105,12 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()
     if cache and cache.push_enabled:
-        for e in entries:
-            cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        try:
+            for e in entries:
+                cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        except (GkError, OSError) as err:  # the build is whole without it; a rerun does not compile again
+            warn(f"compile cache: pushing to {cache.uri} failed ({os_error(err) if isinstance(err, OSError) else err}); "
+                 f"the build is complete, its programs were not stored")
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
     if cache and cache.summary():
         detail += f"; {cache.summary()}"

@@ -173,6 +173,9 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         report["already"] = True
         return report
     inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
+    for p in (dest / STATE_DIR).glob(".fetch.json.*.partial") if (dest / STATE_DIR).is_dir() else []:
+        if p.is_file() and not p.is_symlink():  # a fetch killed while it recorded a file
+            p.unlink()
     record = _Record(dest, m["build_id"])
     _prepare(dest, m, record)
     staging = dest / STATE_DIR / "fetch"
