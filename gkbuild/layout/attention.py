@@ -58,7 +58,8 @@ def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarr
     cols = o_w[:, t * dims.q_l * dims.d:(t + 1) * dims.q_l * dims.d]
     w = arrays.transpose(hidden.to_kernel(cols, 0, dims.Hp))
     if v_scale != 1.0:
-        folded = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
+        with np.errstate(over="ignore", under="ignore"):  # judged below, in one line
+            folded = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
         check_fold(w, folded, f"W_out with kv_cache.v_scale {v_scale!r} folded in")
         w = folded
     return w

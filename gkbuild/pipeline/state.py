@@ -61,7 +61,7 @@ def read_json_record(path: Path, valid) -> dict | None:
     try:
         obj = jsonio.read(path, MAX_RECORD)
         why = valid(obj)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except jsonio.BadJson as e:
         why = str(e).removeprefix(f"{path}: ")
@@ -72,7 +72,11 @@ def read_json_record(path: Path, valid) -> dict | None:
     n = 0
     while os.path.lexists(aside := path.with_name(f"{path.name}.corrupt-{n}")):
         n += 1
-    os.replace(path, aside)
+    try:
+        os.replace(path, aside)
+    except OSError as e:  # a read-only cache: ignored, not moved
+        warn(f"{path}: unreadable ({why[:120]}); ignored (cannot set it aside: {e.strerror})")
+        return None
     warn(f"{path}: unreadable ({why[:120]}); set aside as {aside.name} and starting afresh")
     return None
 
