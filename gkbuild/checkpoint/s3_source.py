@@ -103,22 +103,26 @@ class _Mirror:
             finally:
                 tmp.unlink(missing_ok=True)
         st = local.stat()
-        with self.lock:
-            self.record[name] = {"etag": obj["ETag"], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+        with self.lock:  # other processes' entries kept, this file's replaced
+            self.record = {**(read_json_record(self.dir / RECORD, _record_problem) or {}), **self.record,
+                           name: {"etag": obj["ETag"], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}}
             write_json_atomic(self.dir / RECORD, self.record)
             self.fps.remember(local, sha)  # the build reuses this hash instead of reading the file again
             self.fps.save()
         return local
 
     def _cached(self, name: str, obj: dict, local: Path) -> bool:
-        """Whether the cache holds this version of ``name`` (the record, re-read: another process
-        may have written it)."""
-        self.record = {**self.record, **(read_json_record(self.dir / RECORD, _record_problem) or {})}
-        rec = self.record.get(name)
-        if not (rec and rec["etag"] == obj["ETag"] and rec["size"] == obj["size"] and local.is_file()):
+        """Whether the cache holds this version of ``name``: by this process's record or the one on
+        disk (another process may have written it since; it never replaces an entry here, which a
+        concurrent download of another file by this process could otherwise lose)."""
+        if not local.is_file():
             return False
         st = local.stat()
-        return [st.st_size, st.st_mtime_ns] == [rec["size"], rec["mtime_ns"]]
+        with self.lock:
+            disk = read_json_record(self.dir / RECORD, _record_problem) or {}
+            candidates = (self.record.get(name), disk.get(name))
+        return any(rec and rec["etag"] == obj["ETag"] and [rec["size"], rec["mtime_ns"]] == [obj["size"], st.st_mtime_ns]
+                   and st.st_size == rec["size"] for rec in candidates)
 
     def _download(self, name: str, obj: dict, tmp: Path, advance: Advance) -> None:
         """Parallel ranged GETs, each read in chunks and written at its offset, pinned to the
