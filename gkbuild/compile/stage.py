@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..errors import GkError
+from ..errors import GkError, os_error
+from ..paths import inside
 from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
@@ -68,6 +69,8 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
             plan.scalars, asdict(r.tail), kernel_keys, unavailable, __version__)
     paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
+    for p in paths.values():  # written and replaced below: never through a link
+        inside(out, p)
     if unavailable:
         status = f"skipped: {unavailable}"
         if r.backend == "neuron" and require_neff:
@@ -84,7 +87,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
 
         for p in kernels:
             roots[p], kernels[p] = neuron.prepare(r, p, kernels[p], cache_root())
-    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
+    # re-verified: an artifact edited since it was compiled is compiled (or restored) again
+    cached = state.stages.get("compile") == k and all(
+        (out / p).is_file() and sha256_file(out / p) == state.artifacts.get(p) for p in paths.values())
     keys = {s.key: compile_cache.program_key(plan, s, comp, flags[s.program], kernel_keys[s.program]) for s in sigs}
     t0 = time.perf_counter()
     if not cached:
@@ -100,12 +105,17 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                 neuron.build(plan, s, out, roots[s.program], kernels[s.program])
     entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags[s.program], "ok", kernels[s.program])
                for s in sigs]
+    state.artifacts = {e["path"]: e["sha256"] for e in entries}
     if r.backend == "neuron":
         for e in entries:
             e["neff"] = neff.read(out / e["path"]).to_dict()
     if cache and cache.push_enabled:
-        for e in entries:
-            cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        try:
+            for e in entries:
+                cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        except (GkError, OSError) as err:  # the build is whole without it; a rerun does not compile again
+            warn(f"compile cache: pushing to {cache.uri} failed ({os_error(err) if isinstance(err, OSError) else err}); "
+                 f"the build is complete, its programs were not stored")
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
     if cache and cache.summary():
         detail += f"; {cache.summary()}"

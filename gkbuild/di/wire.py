@@ -4,7 +4,8 @@ NIXL moves the KV bytes; what each side must know first travels here, as vLLM's 
 sends its handshake over a side channel: the prefill ranks' agent metadata (bytes NIXL's
 ``add_remote_agent`` loads), their region addresses, the engine's KV format, and per request the
 block ids. A frame is a 4-byte big-endian length then UTF-8 JSON; a peer's frame is data: its
-size is bounded before it is read, and every field is checked where it is used. No pickle
+size is bounded before it is read, it is parsed by the one bounded reader (``jsonio``: strict,
+depth-limited), and every field is checked where it is used. No pickle
 (nixl's own ``get_serialized_descs`` pickles; descriptors are rebuilt here from plain numbers).
 """
 
@@ -15,6 +16,7 @@ import json
 import socket
 import struct
 
+from .. import jsonio
 from ..errors import GkError, shown
 
 MAX_FRAME = 64 << 20
@@ -33,10 +35,7 @@ def recv(sock: socket.socket, where: str) -> dict:
     (n,) = struct.unpack(">I", _exactly(sock, 4, where))
     if n > MAX_FRAME:
         raise GkError(f"{where}: the peer sent a {n}-byte frame, over the {MAX_FRAME}-byte limit")
-    try:
-        obj = json.loads(_exactly(sock, n, where), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GkError(f"{where}: the peer sent a frame that is not JSON ({str(e)[:60]})") from None
+    obj = jsonio.loads(_exactly(sock, n, where), f"{where}: a frame from the peer", MAX_FRAME)
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
         raise GkError(f"{where}: the peer sent {shown(obj)}, not a message")
     if obj["op"] == "error":
@@ -64,10 +63,6 @@ def _exactly(sock: socket.socket, n: int, where: str) -> bytes:
             raise GkError(f"{where}: the peer closed the connection")
         buf += chunk
     return bytes(buf)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def b64(data: bytes) -> str:

@@ -42,7 +42,10 @@ def _ranks(**over) -> list:
 
 
 def _frame(obj) -> bytes:
-    data = json.dumps(obj).encode()
+    return _frame_raw(json.dumps(obj).encode())
+
+
+def _frame_raw(data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
@@ -72,7 +75,9 @@ def _hello(**over) -> bytes:
 
 @pytest.mark.parametrize("answer,message", [
     (struct.pack(">I", 1 << 30), "the peer sent a 1073741824-byte frame, over the 67108864-byte limit"),
-    (struct.pack(">I", 3) + b"{x}", "the peer sent a frame that is not JSON"),
+    (struct.pack(">I", 3) + b"{x}", "a frame from the peer: not valid JSON"),
+    (_frame_raw(b"[" * 100 + b"]" * 100), "a frame from the peer: nested deeper than 64 levels"),
+    (_frame_raw(b'{"op": NaN}'), "a frame from the peer: not valid JSON (NaN is not strict JSON)"),
     (_frame([1, 2]), "the peer sent [1, 2], not a message"),
     (_frame({"op": "error", "message": "prefill: out of blocks"}), "prefill: out of blocks"),
     (_hello(version=2), "speaks side-channel version 2, not 1"),
