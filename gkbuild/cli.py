@@ -149,6 +149,13 @@ def plan(recipe_path, overrides, as_json, show_compile):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    if p.recipe.backend == "neuron":
+        from .compile.conformance import isa_refusal
+        from .progress import warn
+
+        why = isa_refusal(p.recipe)
+        if why:
+            warn(f"the {p.recipe.target} NEFFs of this plan will not compile: {why}")
     compile_lines = []
     if show_compile:
         from .compile.stage import invocations

@@ -257,6 +257,10 @@ class Recipe:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
                                              f"(every rank holds at least one token)")
+            if self.decode.embedding == "hidden" and b // t.dp > 128:
+                bad("decode.batch_sizes", b, f"decode.embedding: hidden gathers a DP replica's {b // t.dp} tokens into "
+                                             f"one SBUF tile of at most 128 rows (the fork F's prologue): use vocab or "
+                                             f"host, or more DP replicas")
         return self
 
     def _validate_compile(self, bad) -> None:

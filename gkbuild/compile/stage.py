@@ -24,7 +24,7 @@ from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, inductor, neff, neuron, signature
+from . import cache as compile_cache, conformance, inductor, neff, neuron, signature
 from .programs import DecodeProgram, TailProgram
 
 OUT = "compiled"
@@ -78,12 +78,19 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
+        why = conformance.isa_refusal(r) if r.backend == "neuron" else None
+        if why:
+            warn(f"and they would not compile: {why}")
         entries = [_entry(s, fmt, None, out, r.target, comp, flags[s.program], status, kernels[s.program])
                    for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
     roots = {}
     if r.backend == "neuron":  # the checkouts say which switches each library reads: every one is set
         from ..checkpoint.source import cache_root
+
+        why = conformance.isa_refusal(r)
+        if why:
+            raise GkError(f"{r.target}: {why}")
 
         for p in kernels:
             roots[p], kernels[p] = neuron.prepare(r, p, kernels[p], cache_root())
