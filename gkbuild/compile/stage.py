@@ -14,17 +14,15 @@ so new weights of the same shapes reuse the artifacts; a new compiler or kernel 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import __version__
 from ..errors import GkError
-from ..kernels.decode import Scalars
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
 from . import cache as compile_cache, inductor, kernel_source, neff, neuron, signature
-from .programs import DecodeProgram, TailProgram
 
 OUT = "compiled"
 KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
@@ -47,57 +45,101 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     return e
 
 
+@dataclass(frozen=True)
+class Backend:
+    """How a recipe's programs are compiled: the backend, its artifact format and suffix, the
+    compiler and its flags, why this host cannot compile (None when it can), and for NEFFs the
+    kernel source and the kernel record."""
+
+    name: str
+    fmt: str
+    suffix: str
+    compiler: dict
+    flags: list
+    unavailable: str | None
+    source: object = None
+    kernel: dict | None = None
+
+    @property
+    def expect(self) -> dict:
+        """What a cached artifact of this backend must say it is (``cache.CompileCache.restore``)."""
+        return {"format": self.fmt, "compiler": self.compiler, "flags": self.flags}
+
+
+def backend(plan) -> Backend:
+    r = plan.recipe
+    if r.backend == "inductor":
+        return Backend("inductor", "aoti-pt2", "pt2", inductor.compiler(),
+                       inductor.flags(r.target, r.decode.batch_sizes), inductor.available(r.target))
+    source = kernel_source.parse(r.compile.nki_library, r.path.parent if r.path else None)
+    return Backend("neuron", "neff", "neff", neuron.compiler(), neuron.flags(r), neuron.sdk(), source,
+                   neuron.kernel_record(r, source))
+
+
+def program_keys(plan, be: Backend, sigs) -> dict[str, str]:
+    """Each program's compile key (``cache.program_key``), by program name."""
+    return {s.key: compile_cache.program_key(plan, s, be.compiler, be.flags, be.kernel) for s in sigs}
+
+
+def artifact_path(be: Backend, sig) -> str:
+    return f"{OUT}/{sig.key}.{be.suffix}"
+
+
+def compile_program(plan, sig, be: Backend, out: Path, key: str) -> Path:
+    """Trace and compile one program into ``out/compiled/`` (the build folder, or a farm job's own
+    folder); returns the artifact. Needs only the plan and the kernel source: no weights."""
+    r = plan.recipe
+    if be.unavailable:
+        raise GkError(f"{sig.key}: cannot compile for {r.target} here: {be.unavailable}")
+    path = out / artifact_path(be, sig)
+    if be.name == "inductor":
+        inductor.build(_program(plan, sig), sig, r.decode.batch_sizes, r.target, path, key)
+    else:
+        from ..checkpoint.source import cache_root
+
+        neuron.build(plan, sig, out, be.source, cache_root())
+    return path
+
+
+def artifact_entry(plan, sig, be: Backend, out: Path, path: str | None, status: str = "ok") -> dict:
+    """The manifest's compile entry of one program (a NEFF's header read in)."""
+    e = _entry(sig, be.fmt, path, out, plan.recipe.target, be.compiler, be.flags, status, be.kernel)
+    if be.name == "neuron" and path:
+        e["neff"] = neff.read(out / path).to_dict()
+    return e
+
+
 def run(plan, out: Path, state, progress, require_neff: bool = False, before_write=lambda: None, cache=None):
     """(manifest compile entry, stage key, status, detail) for the compile stage; ``before_write``
     is called before the first artifact is (re)written. ``cache``: a ``cache.CompileCache`` looked
     up before compiling a program (and pushed to after, if asked)."""
     r = plan.recipe
     sigs = signature.programs(plan)
-    kernel = None
-    if r.backend == "inductor":
-        backend, fmt, suffix = inductor, "aoti-pt2", "pt2"
-        flags = inductor.flags(r.target, r.decode.batch_sizes)
-        unavailable = inductor.available(r.target)
-    else:
-        backend, fmt, suffix = neuron, "neff", "neff"
-        flags = neuron.flags(r)
-        unavailable = neuron.sdk()
-        source = kernel_source.parse(r.compile.nki_library, r.path.parent if r.path else None)
-        kernel = neuron.kernel_record(r, source)
-    comp = backend.compiler()
-    k = key("compile", r.backend, r.target, comp, flags,
+    be = backend(plan)
+    k = key("compile", r.backend, r.target, be.compiler, be.flags,
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
-            plan.scalars, asdict(r.tail), kernel, unavailable, __version__)
-    paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
-    if unavailable:
-        status = f"skipped: {unavailable}"
+            plan.scalars, asdict(r.tail), be.kernel, be.unavailable, __version__)
+    paths = {s.key: artifact_path(be, s) for s in sigs}
+    if be.unavailable:
+        status = f"skipped: {be.unavailable}"
         if r.backend == "neuron" and require_neff:
-            raise GkError(f"--require-neff: {unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
+            raise GkError(f"--require-neff: {be.unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
                           f"from the Neuron repository)")
-        warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
+        warn(f"{r.target} artifacts not compiled: {be.unavailable}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        entries = [_entry(s, fmt, None, out, r.target, comp, flags, status, kernel) for s in sigs]
-        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
+        entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
+        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", be.unavailable
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
-    keys = {s.key: compile_cache.program_key(plan, s, comp, flags, kernel) for s in sigs}
-    expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags}
+    keys = program_keys(plan, be, sigs)
+    expect = dict(be.expect, target=r.target)
     t0 = time.perf_counter()
     if not cached:
         before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
-            if cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect):
-                continue
-            if r.backend == "inductor":
-                inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.key])
-            else:
-                from ..checkpoint.source import cache_root
-
-                neuron.build(plan, s, out, source, cache_root())
-    entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags, "ok", kernel) for s in sigs]
-    if r.backend == "neuron":
-        for e in entries:
-            e["neff"] = neff.read(out / e["path"]).to_dict()
+            if not (cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect)):
+                compile_program(plan, s, be, out, keys[s.key])
+    entries = [artifact_entry(plan, s, be, out, paths[s.key]) for s in sigs]
     if cache and cache.push_enabled:
         for e in entries:
             cache.push(keys[e["name"]], e["name"], out / e["path"], e)
@@ -109,6 +151,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
 
 
 def _program(plan, sig):
+    from ..kernels.decode import Scalars
+    from .programs import DecodeProgram, TailProgram
+
     if sig.program == "decode":
         return DecodeProgram(sig, Scalars.from_plan(plan, ep_rank=0), plan.kv)
     s = plan.scalars
