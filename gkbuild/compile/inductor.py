@@ -57,8 +57,12 @@ def build(program, sig: Signature, batch_sizes: list[int], target: str, out: Pat
 
     device = _device(target)
     args = [a.to(device) for a in example_inputs(sig, max(batch_sizes))]
-    batch = torch.export.Dim("batch", min=max(1, min(batch_sizes)), max=max(batch_sizes))
-    dynamic = {"args": tuple({d: batch for d, s in enumerate(i.shape) if s == "batch"} or None for i in sig.inputs)}
+    lo, hi = max(1, min(batch_sizes)), max(batch_sizes)
+    dynamic = None  # one batch size: a static program (torch.export refuses a Dim with min == max)
+    if lo < hi:
+        batch = torch.export.Dim("batch", min=lo, max=hi)
+        dynamic = {"args": tuple({d: batch for d, s in enumerate(i.shape) if s == "batch"} or None
+                                 for i in sig.inputs)}
     try:
         with warnings.catch_warnings():  # torch's own deprecation chatter while tracing
             warnings.simplefilter("ignore", FutureWarning)
@@ -90,8 +94,9 @@ _TEXT = (".cpp", ".h", ".json", ".txt")
 
 
 def cache_folder(key: str) -> Path:
-    """Where the program of compile key ``key`` is always compiled: ``$TMPDIR/gkbuild-aoti-<uid>/<key[:16]>``."""
-    return Path(tempfile.gettempdir()) / f"gkbuild-aoti-{os.getuid()}" / key[:16]
+    """Where the program of compile key ``key`` is always compiled: ``$TMPDIR/gkbuild-pt2-<uid>/<key[:16]>``
+    (not the single ``gkbuild-aoti-<uid>`` folder of gkbuild 0.1, which an older gkbuild on the host empties)."""
+    return Path(tempfile.gettempdir()) / f"gkbuild-pt2-{os.getuid()}" / key[:16]
 
 
 @contextlib.contextmanager
