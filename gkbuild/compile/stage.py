@@ -116,22 +116,26 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
     r = plan.recipe
     sigs = signature.programs(plan)
     be = backend(plan)
-    k = key("compile", r.backend, r.target, be.compiler, be.flags,
-            [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
-            plan.scalars, asdict(r.tail), be.kernel, be.unavailable, __version__)
-    paths = {s.key: artifact_path(be, s) for s in sigs}
-    if be.unavailable:
-        status = f"skipped: {be.unavailable}"
-        if r.backend == "neuron" and require_neff:
-            raise GkError(f"--require-neff: {be.unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
-                          f"from the Neuron repository)")
-        warn(f"{r.target} artifacts not compiled: {be.unavailable}; everything else is built (the manifest records "
-             f"the {r.backend} stage as skipped)")
-        entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
-        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", be.unavailable
-    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
     keys = program_keys(plan, be, sigs)
     expect = dict(be.expect, target=r.target)
+    # a host that cannot compile (no Neuron SDK) still assembles a build the compile cache holds whole
+    skipped = be.unavailable
+    if skipped and cache and all(cache.holds(keys[s.key], s.key, expect) for s in sigs):
+        skipped = None
+    k = key("compile", r.backend, r.target, be.compiler, be.flags,
+            [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
+            plan.scalars, asdict(r.tail), be.kernel, skipped, __version__)
+    paths = {s.key: artifact_path(be, s) for s in sigs}
+    if skipped:
+        status = f"skipped: {skipped}"
+        if r.backend == "neuron" and require_neff:
+            raise GkError(f"--require-neff: {skipped}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
+                          f"from the Neuron repository)")
+        warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
+             f"the {r.backend} stage as skipped)")
+        entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
+        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", skipped
+    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
     t0 = time.perf_counter()
     if not cached:
         before_write()
