@@ -29,8 +29,11 @@ def compiler() -> dict:
 
 
 def flags(target: str, batch_sizes: list[int]) -> list[str]:
+    """What the compile is told; ``--cpp-dynamic-threads``: the generated kernels take the thread
+    count at run time rather than baking in the compiling process's (so a program's bytes do not
+    depend on the host's cores, ``OMP_NUM_THREADS`` or a Ray worker's CPU share)."""
     return [f"--device={_device(target)}", f"--dynamic-batch={min(batch_sizes)}..{max(batch_sizes)}",
-            "--package=pt2"]
+            "--package=pt2", "--cpp-dynamic-threads"]
 
 
 def _device(target: str) -> str:
@@ -79,7 +82,8 @@ def build(program, sig: Signature, batch_sizes: list[int], target: str, out: Pat
         staged = tmp / "staged" / f"{out.stem}.pt2"
         staged.parent.mkdir()
         with warnings.catch_warnings(), fixed_cache(key) as cache, \
-                torch._inductor.config.patch({"aot_inductor.enable_line_tables": False}):
+                torch._inductor.config.patch({"aot_inductor.enable_line_tables": False,
+                                               "cpp.dynamic_threads": True}):
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(exported, package_path=str(staged))
             normalize(staged, tmp / f"{out.stem}.pt2", cache)
