@@ -32,7 +32,7 @@ from tests.raycluster import ray_cluster  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
 VARY = ["decode.batch_sizes=[[1, 2], [1, 4], [1, 8], [1, 16]]",
-        "source=[synth://tiny?layers=2&seed=0, synth://tiny?layers=2&seed=1]"]
+        'source=["synth://tiny?layers=2&seed=0", "synth://tiny?layers=2&seed=1"]']
 
 
 def machine_cpu() -> float:

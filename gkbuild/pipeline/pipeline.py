@@ -87,6 +87,9 @@ class _Runner:
     """A process pool whose workers report (task, bytes) to the progress bars."""
 
     def __init__(self, jobs: int, progress: Progress):
+        from ..dtypes import dtype
+
+        dtype("bf16").numpy  # ml_dtypes imported once here, inherited by every forked worker
         ctx = mp.get_context("fork")
         self.queue = ctx.SimpleQueue()
         self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=init_worker,
