@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.raycluster import ray_cluster  # noqa: E402
+from tests.raycluster import members, ray_cluster  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
 VARY = ["decode.batch_sizes=[[1, 2], [1, 4], [1, 8], [1, 16]]",
@@ -41,21 +41,15 @@ def machine_cpu() -> float:
     return (sum(f[:3]) + sum(f[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system, irq softirq steal
 
 
-def tree_cpu(pids: list[int]) -> float:
-    import psutil
-
+def cluster_cpu(procs: list) -> float:
+    """CPU seconds used so far by the Ray cluster's processes (live ones, and those they reaped)."""
     total = 0.0
-    for pid in pids:
+    for p in members(procs):
         try:
-            procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system + t.children_user + t.children_system
-            except psutil.NoSuchProcess:
-                pass
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except Exception:  # noqa: BLE001 - a worker gone meanwhile
+            pass
     return total
 
 
@@ -91,9 +85,8 @@ def main() -> None:
     with ray_cluster(nodes=1, cpus=cores, memory_gib=4 * cores) as c:
         started = time.perf_counter() - t
         renv = dict(env, RAY_ADDRESS=c["gcs"])
-        pids = [p.pid for p in c["procs"]]
-        ray = farm(d / "ray", "ray", renv, lambda: tree_cpu(pids))
-        warm = farm(d / "ray", "ray", renv, lambda: tree_cpu(pids))
+        ray = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
+        warm = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
     n = len(seq["report"]["jobs"])
     assert n == 8 and seq["report"]["compiled"] == 8 and ray["report"]["compiled"] == 8, (seq, ray)
     assert warm["report"]["cached"] == 8

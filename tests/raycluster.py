@@ -61,9 +61,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, memory_gib: float = 4.0) -> Itera
         procs.append(p)
 
     def descendants() -> None:
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                started.update(c.pid for c in psutil.Process(p.pid).children(recursive=True))
+        started.update(p.pid for p in members(procs))
 
     try:
         spawn(["--head", f"--port={gcs}", f"--ray-client-server-port={client}", "--include-dashboard=false",
@@ -90,6 +88,22 @@ def ray_cluster(nodes: int = 2, cpus: int = 1, memory_gib: float = 4.0) -> Itera
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def members(procs: list[subprocess.Popen]) -> list:
+    """Every live process of the cluster: those in the sessions its `ray start` processes lead (Ray
+    daemonizes the raylet and GCS out from under `ray start`; they keep its session), and their
+    descendants."""
+    import psutil
+
+    sids = {p.pid for p in procs}
+    out = {}
+    for q in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            if os.getsid(q.pid) in sids:
+                out[q.pid] = q
+                out.update((c.pid, c) for c in q.children(recursive=True))
+    return list(out.values())
 
 
 def _wait_for_nodes(address: str, n: int, procs: list) -> None:
