@@ -237,7 +237,8 @@ class _Build:
                 self.fps.save()
                 unknown, self._fp = [], self.source_fp()
             todo = self._todo()
-            if todo or any(p not in {f.path for f in self.plan_.files} for p in self.state.shards):
+            planned = {f.path for f in self.plan_.files}
+            if todo or any(p not in planned for p in self.state.shards):
                 self.unpublish()
             if todo or unknown:
                 # A first build with unhashed sources hashes them alongside the emission.
