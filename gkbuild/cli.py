@@ -356,6 +356,9 @@ def _print_verify(rep) -> None:
     tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
               f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}")
+    if rep.unmodeled:
+        out.print(f"note: the programs were compiled with {', '.join(rep.unmodeled)}, numerics the twins do not "
+                  f"model: this verify vouches for the kernel's reference path, not for what those switches change")
     if rep.layer_errors:
         out.print("worst hidden-state relative error by layer (routing departures): "
                   + ", ".join(f"L{i}: {e:.3g} ({r})" for i, (e, r) in enumerate(zip(rep.layer_errors,
@@ -625,16 +628,33 @@ def _print_farm(rep: dict, list_only: bool) -> None:
 
 
 @cli.command("recipe-doc")
-def recipe_doc():
-    """Every recipe.yaml key with its default and meaning."""
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def recipe_doc(as_json):
+    """Every recipe.yaml key with its default and meaning, then every kernel switch of each kernel
+    revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to."""
+    from .compile.switches import switch_table
     from .recipe import schema_doc
 
+    rows, switches = schema_doc(), switch_table()
+    if as_json:
+        click.echo(json.dumps({"keys": [dict(zip(("key", "default", "doc"), r)) for r in rows],
+                               "switches": switches}, indent=2))
+        return
     t = Table(title="recipe.yaml keys", title_justify="left")
     for c in ("key", "default / choices", "meaning"):
         t.add_column(c)
-    for row in schema_doc():
+    for row in rows:
         t.add_row(*row)
     out.print(t)
+    for rev, entries in switches.items():
+        s = Table(title=f"compile.kernel_switches of {rev} (each set explicitly; a recipe value overrides it for "
+                        f"the decode)", title_justify="left")
+        for c in ("switch", "read as", "gkbuild sets", "numerics", "effect"):
+            s.add_column(c)
+        for e in entries:
+            s.add_row(e["name"], e["read"] + (f" (default {e['default']!r})" if e["default"] is not None else ""),
+                      repr(e["value"]), e["numerics"], e["effect"])
+        out.print(s)
 
 
 def main(argv=None) -> None:

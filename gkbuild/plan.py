@@ -10,7 +10,7 @@ embeds (``decode.embedding`` vocab or hidden), its embedding shard:
     weights/expert-{r:03d}.safetensors  the rank's experts, all layers        (one per EP rank)
     weights/tail-v{v:03d}.safetensors lm_head_weight_t                       (one per vocab rank)
     weights/embed-host.safetensors    embed_tokens [V, Hp], host-side: the runtime embeds (host)
-    weights/embed-v{r:03d}.safetensors  embed_weight [V/W, Hp]               (vocab: one per rank)
+    weights/embed-vocab-tp{t}.safetensors embed_weight [V/TP, Hp]            (vocab: one per TP rank)
     weights/embed-tp{t}.safetensors   embed_weight [V, Hp/TP]                (hidden: one per TP rank)
 
 Tensor names are the kernels' argument names; per-layer tensors are stacked on a leading [L] axis.
@@ -34,8 +34,7 @@ from .recipe import Recipe
 ROLES = ("shared", "attn", "expert", "tail", "embed")
 
 
-def arg_specs(d: Dims, experts: str, embed: str = "host", rope: str = "host",
-              world: int = 1) -> dict[str, list[TensorSpec]]:
+def arg_specs(d: Dims, experts: str, embed: str = "host", rope: str = "host") -> dict[str, list[TensorSpec]]:
     """The stored tensors of each file role (shapes for one file of that role)."""
     L, Hp, Ip, E_L = d.L, d.Hp, d.Ip, d.E_L
     T = TensorSpec
@@ -72,7 +71,7 @@ def arg_specs(d: Dims, experts: str, embed: str = "host", rope: str = "host",
             T("expert_down_bias", "fp32", (L, E_L, Hp)),
         ]
     embed = {"host": T("embed_tokens", "bf16", (d.V, Hp)),
-             "vocab": T("embed_weight", "bf16", (embedding.vocab_rows(d.V, world), Hp)),
+             "vocab": T("embed_weight", "bf16", (embedding.vocab_rows(d.V, d.tp), Hp)),
              "hidden": T("embed_weight", "bf16", (d.V, Hp // d.tp))}[embed]
     return {"shared": shared, "attn": attn, "expert": expert, "tail": [T("lm_head_weight_t", "bf16", (Hp, d.V_s))],
             "embed": [embed]}
@@ -94,7 +93,7 @@ class ShardFile:
 
 def shard_path(role: str, index: int, embed: str = "host") -> str:
     if role == "embed":
-        return {"host": "weights/embed-host.safetensors", "vocab": f"weights/embed-v{index:03d}.safetensors",
+        return {"host": "weights/embed-host.safetensors", "vocab": f"weights/embed-vocab-tp{index}.safetensors",
                 "hidden": f"weights/embed-tp{index}.safetensors"}[embed]
     return {"shared": "weights/shared.safetensors", "attn": f"weights/attn-tp{index}.safetensors",
             "expert": f"weights/expert-{index:03d}.safetensors",
@@ -194,23 +193,26 @@ class Plan:
         if emb != "host":
             (path, spec), = [(f.path, t) for f in self.files_of(rank) if f.role == "embed" for t in f.tensors]
             c = self.ranks[rank]
-            rule = (f"global id g -> g - {c.rank}*{spec.shape[0]} if owned (rank {c.rank} holds rows "
-                    f"[{c.rank * spec.shape[0]}, {(c.rank + 1) * spec.shape[0]})) else -1; every token of the "
-                    f"batch, then reduce-scatter over ep_replica_group and the layer-0 TP all-gather"
+            rule = (f"this DP replica's tokens: global id g -> g - {c.tp}*{spec.shape[0]} if TP rank {c.tp} owns it "
+                    f"(rows [{c.tp * spec.shape[0]}, {(c.tp + 1) * spec.shape[0]})) else -1; the partial rows are "
+                    f"summed by reduce-scatter + all-gather over tp_replica_group"
                     if emb == "vocab" else
                     f"global ids of this DP replica's tokens; TP rank {c.tp} holds hidden lanes "
-                    f"[{c.tp * spec.shape[1]}, {(c.tp + 1) * spec.shape[1]}), then an all-to-all over "
-                    f"tp_replica_group")
+                    f"[{c.tp * spec.shape[1]}, {(c.tp + 1) * spec.shape[1]}), all-gathered over tp_replica_group")
             out += [{"name": "embed_weight", "kind": "weight", "shape": list(spec.shape), "dtype": spec.dtype,
-                     "file": path, "replaces": "x_shard"},
-                    {"name": "embed_ids", "kind": "control", "shape": ["B" if emb == "vocab" else "B_attn"],
-                     "dtype": "i32", "rule": rule, "replaces": "x_shard"}]
+                     "file": path, "fills": "x_shard"},
+                    {"name": "embed_ids", "kind": "control", "shape": ["B_attn"], "dtype": "i32", "rule": rule,
+                     "fills": "x_shard"}]
+            if emb == "hidden":
+                out.append({"name": "embed_x_shard_ids", "kind": "rank", "shape": ["T_shard"], "dtype": "i32",
+                            "rule": f"this rank's rows of the replica: {c.tp}*T_shard + arange(T_shard)",
+                            "fills": "x_shard"})
         if self.recipe.decode.rope == "fused":
             (path, spec), = [(f.path, t) for f in self.files_of(rank) for t in f.tensors if t.name == "inv_freq"]
             out += [{"name": "inv_freq", "kind": "weight", "shape": list(spec.shape), "dtype": spec.dtype,
-                     "file": path, "replaces": "cos, sin"},
+                     "file": path, "fills": "cos, sin (still passed: the kernel takes their dtype)"},
                     {"name": "rope_concentration", "kind": "scalar", "value": self.scalars["rope_concentration"],
-                     "replaces": "cos, sin"}]
+                     "fills": "cos, sin (still passed: the kernel takes their dtype)"}]
         return out
 
     def to_json(self) -> dict:
@@ -255,13 +257,11 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
     d = Dims.of(cfg, tp=t.tp, ep=t.ep, vtp=t.vtp)
     ranks = [topology.coords(r, t.tp, t.vtp) for r in range(t.world)]
     emb = recipe.decode.embedding
-    specs = arg_specs(d, recipe.experts, emb, recipe.decode.rope, t.world)
-    counts = {"shared": 1, "attn": t.tp, "expert": t.ep, "tail": t.vtp,
-              "embed": {"host": 1, "vocab": t.world, "hidden": t.tp}[emb]}
+    specs = arg_specs(d, recipe.experts, emb, recipe.decode.rope)
+    counts = {"shared": 1, "attn": t.tp, "expert": t.ep, "tail": t.vtp, "embed": 1 if emb == "host" else t.tp}
     member = {"shared": lambda c, i: True, "attn": lambda c, i: c.tp == i,
               "expert": lambda c, i: c.ep == i, "tail": lambda c, i: c.vtp == i,
-              "embed": {"host": lambda c, i: True, "vocab": lambda c, i: c.rank == i,
-                        "hidden": lambda c, i: c.tp == i}[emb]}
+              "embed": (lambda c, i: True) if emb == "host" else (lambda c, i: c.tp == i)}
     files = [ShardFile(shard_path(role, i, emb), role, i, tuple(specs[role]),
                        tuple(c.rank for c in ranks if member[role](c, i)), device=(role, emb) != ("embed", "host"))
              for role in ROLES for i in range(counts[role])]
@@ -276,7 +276,7 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                        cap)
     kv = dataclasses.replace(kv, num_blocks=budget["num_blocks"])
     if kvc.num_blocks is not None and kvc.num_blocks > cap:
-        lift = (f"; kv_cache.form: per_buffer lifts it to {kv.max_num_blocks('per_buffer'):,}"
+        lift = (f"; kv_cache.form: paired lifts it to {kv.max_num_blocks('paired'):,}"
                 if kvc.form == "stacked" else "")
         raise GkError(f"{where}: kv_cache.num_blocks: {kvc.num_blocks:,} blocks exceed the uint32 DMA offset cap "
                       f"of {cap:,} for the {kvc.form} form (2^32 / ({kv.dma_span_entries} entries x "
@@ -300,7 +300,7 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                  "mode": recipe.decode.rope},
         # the fused-RoPE kernel scalar (cos and sin are multiplied by it); None when the host passes cos/sin
         "rope_concentration": cfg.rope.concentration if recipe.decode.rope == "fused" else None,
-        "embedding": {"placement": emb, **({"rows_per_rank": embedding.vocab_rows(d.V, t.world)} if emb == "vocab"
+        "embedding": {"placement": emb, **({"rows_per_rank": embedding.vocab_rows(d.V, t.tp)} if emb == "vocab"
                                            else {"lanes_per_rank": d.Hp // t.tp} if emb == "hidden" else {})},
         "batch": {str(b): {"B": b, "B_attn": b // t.dp, "T_shard": b // t.world, "T_ep": b, "R": b // t.vtp}
                   for b in recipe.decode.batch_sizes},
@@ -310,7 +310,12 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                  "emit_logits": recipe.tail.emit_logits, "a2a_batch_groups": t.a2a_batch_groups,
                  "hop_meshes": tail.compose_hops(t.vtp, hops)}
     meshes = {"tp_replica_group": topology.tp_mesh(t.tp, t.dp), "ep_replica_group": topology.ep_mesh(t.world)}
-    return Plan(recipe, cfg, d, files, ranks, kv, scalars, tail_meta, meshes, budget)
+    plan = Plan(recipe, cfg, d, files, ranks, kv, scalars, tail_meta, meshes, budget)
+    if recipe.backend == "neuron":
+        from .compile import conformance
+
+        conformance.check(plan)
+    return plan
 
 
 def kv_budget(recipe: Recipe, per_block: int, device_weights: int, host_bytes: int, dma_cap: int) -> dict:

@@ -24,23 +24,21 @@ import yaml
 from .errors import GkError, shown
 from .layout.tail import batch_groups_refusal
 from .layout.dims import MX_TILE, pad_to
+from .layout.kv import FORMS as KV_FORMS
 from .model import FULL, SLIDING, GptOssConfig
 
 TARGETS = ("trn2", "trn3", "cpu", "cuda")
 NEURON_TARGETS = ("trn2", "trn3")
-# The nki-library revision whose c128_giga_kernel and gpt_oss_tail the neuron backend compiles.
-DEFAULT_NKI_LIBRARY = "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
-# The public entry points, as ``module:function`` importable from the library's src/ tree.
-DEFAULT_DECODE_KERNEL = ("nkilib_src.nkilib.models.gpt_oss.c128_giga_kernel.experimental.gpt_oss."
-                         "gpt_oss_decode_layer_dp_tp_ep:gpt_oss_decode_mega_kernel")
-DEFAULT_TAIL_KERNEL = "nkilib.experimental.gpt_oss_tail:gpt_oss_tail_chunked_megakernel"
-# The published decode kernel reads its KV write-back switch from the environment while tracing;
-# without it the decode step would not write the new token's K/V.
-KV_UPDATE_SWITCH = "VLLM_NEURON_MEGA_KV_UPDATE=1"
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _SWITCH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=.*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EMBEDDINGS = ("host", "vocab", "hidden")
+# Values a recipe may still carry from an earlier gkbuild, and why they are gone.
+RETIRED_KEYS = {"compile.nki_library": "replaced by compile.kernels.decode.library and compile.kernels.tail.library "
+                                       "(each program names its own library@commit)"}
+RETIRED = {("kv_cache.form", "per_buffer"): "per_buffer is seed 000's unpublished fork: no published kernel takes "
+                                            "per-buffer K/V arguments; use paired (the same layer pairs, stacked "
+                                            "[ceil(L/2), ...], kernel F)"}
 ROPE_MODES = ("host", "fused")
 # HBM a rank holds back for what is not a tensor of the plan: the decode and tail NEFFs (instruction
 # streams and DMA descriptors of 36 unrolled layers), their HBM scratch (collective staging, gathered
@@ -74,8 +72,9 @@ class Topology:
 @dataclass
 class KVCache:
     dtype: str = _f("bf16", "KV element type", ("bf16", "fp8"))
-    form: str = _f("stacked", "stacked: one K and one V tensor [L, ...] (the public kernel); per_buffer: one "
-                              "[2, ...] buffer a layer pair (the GK integration's fork)", ("stacked", "per_buffer"))
+    form: str = _f("stacked", "stacked: K and V tensors [L, ...], a layer an entry (kernels A and F); paired: "
+                              "[ceil(L/2), ...], layers 2j and 2j+1 share entry j with disjoint blocks (kernel F)",
+                   KV_FORMS)
     packed: bool = _f(False, "packed FP8 K: [blocks, kv, block/2, d, 2] (two tokens per 16-bit lane)")
     block_size: int = _f(128, "tokens per KV block")
     num_blocks: typing.Optional[int] = _f(None, "blocks per buffer; or give hbm_per_rank_gib + memory_utilization")
@@ -107,21 +106,39 @@ class Tail:
 
 
 @dataclass
+class DecodeKernel:
+    library: typing.Optional[str] = _f(None, "OWNER/REPO@COMMIT, URL@COMMIT or a folder; default: aws-neuron/"
+                                             "nki-library@e9ef98fc, or the fork baonudesifeizhai/nki-library@9f2490f6 "
+                                             "when a form needs it (paired KV, fused embedding or RoPE)")
+    entry: typing.Optional[str] = _f(None, "module:function; default: nkilib.models.gpt_oss.c128_giga_kernel."
+                                           "experimental.gpt_oss.gpt_oss_decode_layer_dp_tp_ep:gpt_oss_decode_mega_kernel")
+
+
+@dataclass
+class TailKernel:
+    library: typing.Optional[str] = _f(None, "OWNER/REPO@COMMIT, URL@COMMIT or a folder; default: "
+                                             "baonudesifeizhai/nki-library@9f2490f6 (no aws-neuron commit holds it)")
+    entry: typing.Optional[str] = _f(None, "module:function; default: nkilib.experimental.gpt_oss_tail."
+                                           "tail_chunked_megakernel:gpt_oss_tail_chunked_megakernel")
+
+
+@dataclass
 class Kernels:
-    decode: str = _f(DEFAULT_DECODE_KERNEL, "the GK decode kernel, module:function")
-    tail: str = _f(DEFAULT_TAIL_KERNEL, "the sampling-tail kernel, module:function")
+    decode: DecodeKernel = _f(None, "the GK decode kernel")
+    tail: TailKernel = _f(None, "the sampling-tail kernel")
 
 
 @dataclass
 class Compile:
     optimization_level: int = _f(2, "neuronx-cc optimization level", (1, 2, 3))
-    nki_library: str = _f(DEFAULT_NKI_LIBRARY, "where the kernels' code comes from: OWNER/REPO@COMMIT (GitHub), "
-                                               "a git URL@COMMIT, or a local folder")
-    kernels: Kernels = _f(None, "the kernel entry points")
-    kernel_switches: list = _f([KV_UPDATE_SWITCH], "NAME=VALUE environment switches the kernels read while tracing "
-                                                   "(KV write-back must stay on)")
-    trace: str = _f("host", "host: trace on the CPU (no NeuronCore needed, as the SDK's CPU compile mode); "
-                            "device: trace on a NeuronCore", ("host", "device"))
+    kernels: Kernels = _f(None, "the kernels each Neuron program compiles, each from its own library@commit")
+    kernel_switches: list = _f([], "NAME=VALUE settings of the kernel's VLLM_NEURON_MEGA_* switches; every switch "
+                                   "the revision reads is set explicitly, these override gkbuild's reference path "
+                                   "(KV write-back on, the rest off); `gkbuild recipe-doc` lists them")
+    trace: str = _f("host", "host: torch_neuronx.trace(cpu_backend=True) with NEURON_PLATFORM_TARGET_OVERRIDE, no "
+                            "NeuronCore needed (AWS-documented); device: torch_neuronx.trace on a NeuronCore; "
+                            "xla-cpu: torch-xla on PJRT_DEVICE=CPU + the neuronx-cc CLI (undocumented, unverified)",
+                    ("host", "device", "xla-cpu"))
     job_cpus: typing.Optional[int] = _f(None, "CPUs a gkbuild farm job asks its cluster for, one program "
                                               "(default: 1 for cpu/cuda, 8 for trn2/trn3)")
     job_memory_gib: typing.Optional[float] = _f(None, "memory a gkbuild farm job asks its cluster for, in GiB "
@@ -254,14 +271,17 @@ class Recipe:
 
     def _validate_compile(self, bad) -> None:
         c = self.compile
-        for key, entry in (("compile.kernels.decode", c.kernels.decode), ("compile.kernels.tail", c.kernels.tail)):
-            if not _ENTRY_POINT.match(entry):
-                bad(key, entry, "expected module:function, e.g. nkilib.experimental.gpt_oss_tail:"
-                                "gpt_oss_tail_chunked_megakernel")
+        for program in ("decode", "tail"):
+            entry = getattr(c.kernels, program).entry
+            if entry is not None and not _ENTRY_POINT.match(entry):
+                bad(f"compile.kernels.{program}.entry", entry, "expected module:function, e.g. nkilib.experimental."
+                                                              "gpt_oss_tail.tail_chunked_megakernel:"
+                                                              "gpt_oss_tail_chunked_megakernel")
         names = []
         for sw in c.kernel_switches:
-            if not isinstance(sw, str) or not _SWITCH.match(sw):
-                bad("compile.kernel_switches", sw, "expected NAME=VALUE strings (environment switches)")
+            if not isinstance(sw, str) or not _SWITCH.match(sw) or not sw.startswith("VLLM_NEURON_MEGA_"):
+                bad("compile.kernel_switches", sw, "expected VLLM_NEURON_MEGA_NAME=VALUE strings (the kernels' "
+                                                   "trace-time switches)")
             names.append(sw.partition("=")[0])
         if len(set(names)) != len(names):
             bad("compile.kernel_switches", c.kernel_switches, "each switch once")
@@ -269,12 +289,6 @@ class Recipe:
             bad("compile.job_cpus", c.job_cpus, "expected a positive number of CPUs")
         if c.job_memory_gib is not None and not 0 < c.job_memory_gib <= 1 << 20:
             bad("compile.job_memory_gib", c.job_memory_gib, "expected a positive size in GiB")
-        kv_update = KV_UPDATE_SWITCH.partition("=")[0]
-        on = [sw for sw in c.kernel_switches if sw.partition("=")[0] == kv_update and sw.partition("=")[2]]
-        if self.backend == "neuron" and not on:
-            bad("compile.kernel_switches", c.kernel_switches,
-                f"the decode step must write the new token's K/V: keep {KV_UPDATE_SWITCH} (the kernel reads "
-                f"bool(os.environ.get('{kv_update}')) while tracing: any non-empty value turns it on)")
 
     def check_against(self, cfg: GptOssConfig) -> "Recipe":
         """Reject a topology the model cannot be split into, naming the key and the valid values."""
@@ -387,6 +401,8 @@ def _coerce(value, hint, key: str, where, choices):
     if base is float and not math.isfinite(value):
         raise GkError(f"{where}: {key}: {value!r} is not a finite number")
     if choices and value not in choices:
+        if (key, value) in RETIRED:
+            raise GkError(f"{where}: {key}: {RETIRED[key, value]}")
         raise GkError(f"{where}: {key}: {shown(value)} is not one of {', '.join(map(str, choices))}")
     if key in INT_LISTS and any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         raise GkError(f"{where}: {key}: expected a list of integers, got {shown(value)}")
@@ -406,6 +422,8 @@ def _build(cls, data, prefix: str, where):
     fields = _fields(cls)
     hints = typing.get_type_hints(cls)
     for key in data:
+        if f"{prefix}{key}" in RETIRED_KEYS:
+            raise GkError(f"{where}: {prefix}{key}: {RETIRED_KEYS[prefix + key]}")
         if key not in fields:
             near = difflib.get_close_matches(str(key)[:100], fields, n=1, cutoff=0.6)
             full = f"{prefix}{str(key)[:100]}"

@@ -35,75 +35,42 @@ KV_DTYPES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e4m3fn": 1}
 class KvBuffers:
     """One rank's KV cache in the build's form (``layout.form``).
 
-    ``allocations`` are the tensors a runtime hands the device: stacked, the K and the V tensor
-    ``[L, num_blocks, kv, block, d]``; per-buffer, one ``[2, num_blocks, kv, block, d]`` a layer pair.
+    ``allocations`` are the tensors a runtime hands the device: the K and the V tensor
+    ``[entries, num_blocks, kv, block, d]`` (entries = L stacked, ceil(L/2) paired).
     ``k(layer)`` / ``v(layer)`` are that layer's entry as the kernel reads it (packed FP8 K:
-    ``[num_blocks, kv, block/2, d, 2]``, the same bytes). trn2's float8_e4m3 (max 240) is held as
-    raw bytes and viewed as float8_e4m3fn, whose bit patterns are the same within +-240 (torch has
-    no IEEE-style e4m3); ``dtype`` names the format the bytes are in.
+    ``[num_blocks, kv, block/2, d, 2]``, the same bytes). Both FP8 formats are held as
+    float8_e4m3fn: trn2's IEEE-style e4m3 (max 240) has the same bit patterns for every value
+    within +-240, and the build only ever stores values saturated there (Neuron's documented route,
+    ``--experimental-unsafe-fp8e4m3fn-as-fp8e4m3``); ``dtype`` names the format the bytes are in.
     """
 
     layout: KvLayout
-    allocations: list  # torch tensors
+    allocations: list  # torch tensors: K, V
 
     @property
     def dtype(self) -> str:
         return self.layout.dtype
 
-    def _carrier(self, t):
-        import torch
-
-        return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
-
-    def _k_entry(self, e: int):
-        lay = self.layout
-        k = self.allocations[0][e] if lay.form == "stacked" else self.allocations[e][0]
-        return self._carrier(k.view(lay.k_block_shape) if lay.packed else k)
-
-    def _v_entry(self, e: int):
-        lay = self.layout
-        return self._carrier(self.allocations[1][e] if lay.form == "stacked" else self.allocations[e][1])
+    def _k_all(self):
+        k, lay = self.allocations[0], self.layout
+        return k.view([lay.entries] + lay.k_block_shape) if lay.packed and k.dim() == 5 else k
 
     def k(self, layer: int):
         """Layer ``layer``'s K entry as the kernel takes it (packed FP8: [nb, kv, block/2, d, 2])."""
-        return self._k_entry(self.layout.entry_of(layer))
+        return self._k_all()[self.layout.entry_of(layer)]
 
     def v(self, layer: int):
-        return self._v_entry(self.layout.entry_of(layer))
+        return self.allocations[1][self.layout.entry_of(layer)]
 
     def arguments(self) -> dict:
         """The decode kernel's KV arguments by name (views of the allocations)."""
-        lay = self.layout
-        if lay.form == "stacked":
-            k = self.allocations[0]
-            k = k.view([lay.entries] + lay.k_block_shape) if lay.packed else k
-            return {"K_cache": self._carrier(k), "V_cache": self._carrier(self.allocations[1])}
-        out = {f"K_cache_buf_{j}": self._k_entry(j) for j in range(lay.entries)}
-        out.update({f"V_cache_buf_{j}": self._v_entry(j) for j in range(lay.entries)})
-        return out
+        return {"K_cache": self._k_all(), "V_cache": self.allocations[1]}
 
     @classmethod
     def from_arguments(cls, layout: KvLayout, args: dict) -> "KvBuffers":
         """The inverse of :meth:`arguments`: buffers over tensors given as kernel arguments
         (what a compiled program receives)."""
-        if layout.form == "stacked":
-            return _KvArgs(layout, [args["K_cache"]], [args["V_cache"]])
-        return _KvArgs(layout, [args[f"K_cache_buf_{j}"] for j in range(layout.entries)],
-                       [args[f"V_cache_buf_{j}"] for j in range(layout.entries)])
-
-
-class _KvArgs(KvBuffers):
-    """KV buffers seen through the kernel's arguments (entries already in the kernel's view)."""
-
-    def __init__(self, layout: KvLayout, k: list, v: list):
-        super().__init__(layout, k + v)
-        self._k, self._v = k, v
-
-    def _k_entry(self, e: int):
-        return self._k[0][e] if self.layout.form == "stacked" else self._k[e]
-
-    def _v_entry(self, e: int):
-        return self._v[0][e] if self.layout.form == "stacked" else self._v[e]
+        return cls(layout, [args["K_cache"], args["V_cache"]])
 
 
 class Build:
@@ -282,7 +249,7 @@ class Build:
         if need > have:
             raise GkError(f"{self.root}: the KV cache needs {need / 2**30:.1f} GiB, more than this host's "
                           f"{have / 2**30:.1f} GiB of memory; pass allocate_kv(num_blocks=...) for fewer blocks")
-        dt = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.uint8}[lay.dtype]
+        dt = torch.bfloat16 if lay.dtype == "bf16" else torch.float8_e4m3fn
         return KvBuffers(lay, [torch.zeros(lay.allocation_shape, dtype=dt) for _ in range(lay.allocations)])
 
     def close(self) -> None:

@@ -127,8 +127,8 @@ def plan_tables(plan) -> list:
         ("KV budget", budget_line(budget)),
         ("DMA offset check", f"{'ok' if dma['fits'] else 'OVER'}: one DMA base spans "
                              f"{human_bytes(dma['span_bytes'])} of 4 GiB; at most {dma['max_num_blocks']:,} blocks "
-                             f"in this form (stacked {dma['max_num_blocks_stacked']:,}, per-buffer "
-                             f"{dma['max_num_blocks_per_buffer']:,})"),
+                             f"in this form (stacked {dma['max_num_blocks_stacked']:,}, paired "
+                             f"{dma['max_num_blocks_paired']:,})"),
         ("tail", f"vocab {j['tail']['vocab_per_rank']} a rank, hops {j['tail']['hops']}, k {j['tail']['k']}"),
         ("softmax_scale", f"{j['scalars']['softmax_scale']:.6g}"),
     ]
@@ -177,9 +177,19 @@ def build_tables(s: dict) -> list:
         roles.add_column(c, justify="left" if c == "role" else "right")
     for role, e in s["by_role"].items():
         roles.add_row(role, str(e["files"]), human_bytes(e["bytes"]))
+    progs = Table(title="programs", title_justify="left")
+    for c in ("program", "batch", "LNC", "in/out", "kernel", "switches", "NEFF"):
+        progs.add_column(c)
+    for p in s["programs"]:
+        asked = ", ".join(f"{n.removeprefix('VLLM_NEURON_MEGA_')}={v}" for n, v in p["switches_from_recipe"].items())
+        kernel = f"{p['library']} {p['entry'].rpartition(':')[2]}" if p["entry"] else "the torch twins"
+        sw = (f"{len(p['switches'])} set explicitly" if p["switches"] else "set at trace") + \
+            (f"; recipe: {asked}" if asked else "; reference path")
+        progs.add_row(p["name"], str(p["batch_size"] or "any"), str(p["lnc"]), f"{p['inputs']}/{p['outputs']}",
+                      kernel, sw if p["entry"] else "-", p["neff_version"] or ("-" if p["format"] != "neff" else p["status"]))
     stages = Table(title="stages", title_justify="left")
     stages.add_column("stage")
     stages.add_column("cache")
     for st in s["stages"]:
         stages.add_row(st["name"], "[green]up to date[/]" if st["cached"] else "[yellow]stale or unknown[/]")
-    return [head, roles, *device_table(s["device_memory"], kv["budget"], s["host_files"]), stages]
+    return [head, roles, *device_table(s["device_memory"], kv["budget"], s["host_files"]), progs, stages]

@@ -99,6 +99,7 @@ class Report:
     golden_kv: str = ""
     build_kv: str = ""
     layer_departs: bool = False  # a layer's hidden state or routing departs (fails at the tight tier)
+    unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
 
     @property
     def too_many_forced(self) -> bool:
@@ -111,6 +112,7 @@ class Report:
                 "first_failure": self.first_failure, "first_bad_layer": self.first_bad_layer,
                 "layer_departs": self.layer_departs,
                 "layer_errors": self.layer_errors, "layer_routing_departures": self.layer_routing,
+                "unmodeled_switches": self.unmodeled,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "ok": s.ok} for s in self.steps]}
@@ -164,6 +166,14 @@ def attribute(errors: torch.Tensor, departed: torch.Tensor, kv: str) -> int | No
     error, ``errors`` [P, T, L]) or routing (``departed`` [P, T, L] bool) departs at any position."""
     bad = (errors > LAYER_TOL[kv]).any(1).any(0) | departed.any(1).any(0)
     return int(bad.nonzero()[0]) if bad.any() else None
+
+
+def unmodeled_switches(m: dict) -> list[str]:
+    """``NAME=VALUE`` of the kernel switches a build's Neuron programs were compiled with that change
+    numerics the twins do not model (what a twin verify cannot vouch for)."""
+    from .compile.switches import lossy_on
+
+    return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
 
 
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
@@ -244,6 +254,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     # routing differs only at ties: a departing layer fails the verify on its own
     rep.layer_departs = kv == "tight" and first is not None
     rep.ok = rep.ok and not rep.too_many_forced and not rep.layer_departs
+    rep.unmodeled = unmodeled_switches(m)
     if not rep.ok:
         rep.first_bad_layer = first
     return rep

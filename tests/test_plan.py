@@ -83,8 +83,11 @@ def test_files_are_unique_and_dedup():
      r"the KV budget does not fit: 0.78 GiB of device weights per rank leave 0.00 GiB of 0.50 GiB usable "
      r"\(memory_utilization, and a 1.00 GiB device reserve\)"),
     ({"kv_cache.num_blocks": 14564}, r"exceed the uint32 DMA offset cap of 14,563 for the stacked form .*"
-                                     r"per_buffer lifts it to 524,288"),
-    ({"kv_cache.num_blocks": 600000, "kv_cache.form": "per_buffer"}, r"cap of 524,288 for the per_buffer form"),
+                                     r"paired lifts it to 29,127"),
+    ({"kv_cache.num_blocks": 29128, "kv_cache.form": "paired"}, r"cap of 29,127 for the paired form \(2\^32 / "
+                                                                r"\(18 entries x 8192"),
+    ({"kv_cache.form": "per_buffer"}, r"kv_cache.form: per_buffer is seed 000's unpublished fork: no published "
+                                      r"kernel takes per-buffer K/V arguments; use paired"),
 ])
 def test_bad_recipes_against_the_real_config(over, message):
     with pytest.raises(GkError, match=message):
@@ -100,9 +103,9 @@ def test_budget_mode():
     assert j["num_blocks"] == min(fit, 14563) and j["budget"]["mode"] == "hbm"
     assert j["budget"]["fits_blocks"] == fit and j["budget"]["capped_by_dma"] == (fit > 14563)
     pb = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
-                                        "kv_cache.memory_utilization": 0.9, "kv_cache.form": "per_buffer"})
-    per_block = 18 * 2 * 8192
-    assert pb.to_json()["kv"]["num_blocks"] == (usable - pb.weight_bytes(0)) // per_block
+                                        "kv_cache.memory_utilization": 0.9, "kv_cache.form": "paired"})
+    per_block = 18 * 2 * 8192  # paired: an entry a layer pair
+    assert pb.to_json()["kv"]["num_blocks"] == min((usable - pb.weight_bytes(0)) // per_block, 29127)
     b = pb.to_json()["kv"]["budget"]
     assert b["mode"] == "hbm" and b["usable_bytes"] == usable and b["reserve_bytes"] == 2**30
     assert b["device_bytes"] == pb.weight_bytes(0) + pb.kv.bytes_per_rank + 2**30 <= 24 * 2**30
@@ -110,17 +113,18 @@ def test_budget_mode():
     # a reserve larger than what memory_utilization leaves free comes out of the KV
     big = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                          "kv_cache.memory_utilization": 0.9, "kv_cache.device_reserve_gib": 4,
-                                         "kv_cache.form": "per_buffer"})
-    assert big.kv.num_blocks == (20 * 2**30 - big.weight_bytes(0)) // per_block
+                                         "kv_cache.form": "paired"})
+    assert big.budget["fits_blocks"] == (20 * 2**30 - big.weight_bytes(0)) // per_block
 
 
 # gpt-oss-20b-trn2 as planned before the embedding left the device (main at 0b55ba7): every rank was
-# charged the replicated [201088, 3072] bf16 table, 1.69 GiB of "weights per rank" in all. Per-buffer
-# KV: 49,771 blocks; stacked KV (the default): 24,885 blocks fit, capped at 21,845 by the DMA offset.
-BLOCKS_BEFORE_20B = {"per_buffer": 49_771, "stacked": 24_885}
+# charged the replicated [201088, 3072] bf16 table, 1.69 GiB of "weights per rank" in all. An entry a
+# layer pair (then per_buffer, now paired: the same bytes a block): 49,771 blocks; stacked KV (the
+# default): 24,885 blocks fit, capped at 21,845 by the DMA offset.
+BLOCKS_BEFORE_20B = {"paired": 49_771, "stacked": 24_885}
 
 
-@pytest.mark.parametrize("form", ["per_buffer", "stacked"])
+@pytest.mark.parametrize("form", ["paired", "stacked"])
 def test_budget_on_20b_gains_at_least_the_embedding(form):
     p = _plan("gpt-oss-20b-trn2", **{"kv_cache.form": form})
     embedding = 201088 * 3072 * 2
@@ -130,11 +134,10 @@ def test_budget_on_20b_gains_at_least_the_embedding(form):
         f"{form}: before {before} blocks, after {after} blocks; gained {after - before}, the embedding is " \
         f"{embedding // b['per_block_bytes']} blocks"
     assert p.weight_bytes(0) == 1_811_025_792 - embedding
-    if form == "per_buffer":
-        assert p.kv.num_blocks == after
-    else:  # the stacked tensors' uint32 DMA offset binds first: the freed HBM stays free
-        assert b["capped_by_dma"] and p.kv.num_blocks == b["dma_cap_blocks"] == 21_845
-        assert b["free_bytes"] >= embedding
+    # both tensors' uint32 DMA offset binds first (paired: 2^32 / (12 x 8192) = 43,690): the freed HBM
+    # stays free
+    assert b["capped_by_dma"] and p.kv.num_blocks == b["dma_cap_blocks"] == {"paired": 43_690, "stacked": 21_845}[form]
+    assert b["free_bytes"] >= embedding
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b-trn2", "gpt-oss-20b-trn2", "tiny-topology-trn2"])
@@ -150,10 +153,11 @@ def test_no_rank_loads_the_full_embedding(name, placement):
             assert "embed_weight" not in tensors
         else:
             path, spec = tensors["embed_weight"]
-            assert spec.shape == ((-(-V // W), Hp) if placement == "vocab" else (V, Hp // tp))
-            assert path == (f"weights/embed-v{c.rank:03d}.safetensors" if placement == "vocab"
+            # both split over the TP group (F's prologue sums over tp_replica_group)
+            assert spec.shape == ((-(-V // tp), Hp) if placement == "vocab" else (V, Hp // tp))
+            assert path == (f"weights/embed-vocab-tp{c.tp}.safetensors" if placement == "vocab"
                             else f"weights/embed-tp{c.tp}.safetensors")
-    emb_bytes = {"host": 0, "vocab": -(-V // W) * Hp * 2, "hidden": V * Hp // tp * 2}[placement]
+    emb_bytes = {"host": 0, "vocab": -(-V // tp) * Hp * 2, "hidden": V * Hp // tp * 2}[placement]
     mem = p.device_memory(0)
     assert mem["weights_by_role"].get("embed", 0) == emb_bytes
     assert mem["total_bytes"] == mem["weights_bytes"] + mem["kv_bytes"] + mem["reserve_bytes"]
@@ -164,17 +168,19 @@ def test_no_rank_loads_the_full_embedding(name, placement):
 
 def test_fused_inputs_describe_what_the_kernel_takes():
     p = _plan("gpt-oss-120b-trn2", **{"decode.embedding": "vocab", "decode.rope": "fused"})
-    got = {i["name"]: i for i in p.fused_inputs(5)}
-    assert got["embed_weight"]["shape"] == [1571, 3072]
-    assert got["embed_weight"]["file"] == "weights/embed-v005.safetensors"
-    assert got["embed_ids"]["kind"] == "control" and got["embed_ids"]["replaces"] == "x_shard"
-    assert "[7855, 9426)" in got["embed_ids"]["rule"]
-    assert got["inv_freq"] == {"name": "inv_freq", "kind": "weight", "shape": [32, 1], "dtype": "fp32",
-                               "file": "weights/shared.safetensors", "replaces": "cos, sin"}
+    got = {i["name"]: i for i in p.fused_inputs(13)}  # rank 13: TP rank 5 of DP replica 1
+    assert got["embed_weight"]["shape"] == [25136, 3072]  # ceil(201088 / 8) rows a TP rank
+    assert got["embed_weight"]["file"] == "weights/embed-vocab-tp5.safetensors"
+    assert got["embed_ids"]["kind"] == "control" and got["embed_ids"]["shape"] == ["B_attn"]
+    assert "[125680, 150816)" in got["embed_ids"]["rule"] and "tp_replica_group" in got["embed_ids"]["rule"]
+    assert "embed_x_shard_ids" not in got
+    assert got["inv_freq"]["shape"] == [32, 1] and got["inv_freq"]["dtype"] == "fp32"
+    assert got["inv_freq"]["file"] == "weights/shared.safetensors"
     assert got["rope_concentration"]["value"] == pytest.approx(0.1 * math.log(32) + 1)
     h = {i["name"]: i for i in _plan("gpt-oss-120b-trn2", **{"decode.embedding": "hidden"}).fused_inputs(13)}
     assert h["embed_weight"]["shape"] == [201088, 384] and h["embed_weight"]["file"] == "weights/embed-tp5.safetensors"
     assert h["embed_ids"]["shape"] == ["B_attn"] and "inv_freq" not in h
+    assert h["embed_x_shard_ids"]["kind"] == "rank" and "5*T_shard" in h["embed_x_shard_ids"]["rule"]
     assert _plan("gpt-oss-120b-trn2").fused_inputs(0) == []
 
 

@@ -42,14 +42,15 @@ def test_load_rank_zero_copy(built):
 
 
 def test_allocate_kv(built):
-    """trn2 FP8: stacked K and V tensors of raw e4m3 bytes; each layer's entry in the kernel's view."""
+    """trn2 FP8: stacked K and V tensors of e4m3 values carried as float8_e4m3fn (the same bits within
+    +-240); each layer's entry in the kernel's view."""
     b = Build.open(built)
     kv = b.allocate_kv()
     assert kv.dtype == "fp8_e4m3" and len(kv.allocations) == 2
     assert [tuple(a.shape) for a in kv.allocations] == [(2, 80, 1, 4, 32)] * 2
-    assert kv.allocations[0].dtype == torch.uint8  # torch has no IEEE-style e4m3: raw bytes
+    assert kv.allocations[0].dtype == torch.float8_e4m3fn  # torch has no IEEE-style e4m3
     k = kv.k(1)
-    assert tuple(k.shape) == (80, 1, 2, 32, 2) and k.dtype == torch.float8_e4m3fn  # the carrier view
+    assert tuple(k.shape) == (80, 1, 2, 32, 2) and k.dtype == torch.float8_e4m3fn
     assert k.data_ptr() == kv.allocations[0].data_ptr() + 80 * 4 * 32  # layer 1's entry, same bytes
     assert kv.v(0).data_ptr() == kv.allocations[1].data_ptr()
     args = kv.arguments()

@@ -91,10 +91,10 @@ def test_a_verify_that_forces_too_many_routings_fails(tmp_path, tiny_golden):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sets", [["kv_cache.dtype=bf16", "kv_cache.packed=false"], [], ["kv_cache.form=per_buffer"]],
-                         ids=["bf16-kv", "packed-fp8-kv", "per-buffer-packed-fp8-kv"])
+@pytest.mark.parametrize("sets", [["kv_cache.dtype=bf16", "kv_cache.packed=false"], [], ["kv_cache.form=paired"]],
+                         ids=["bf16-kv", "packed-fp8-kv", "paired-packed-fp8-kv"])
 def test_tiny_topology_passes_tightly_emulated_over_128_ranks(tmp_path, sets):
-    """In either KV form (stacked, the default, or per-buffer), against the golden verify computes
+    """In either KV form (stacked, the default, or paired), against the golden verify computes
     in the build's KV format (trn2 FP8: e4m3, max 240): max error and forced routings at the bf16
     level, FP8 or not."""
     out = _build(tmp_path, "topo", sets, "tiny-topology-trn2.yaml")

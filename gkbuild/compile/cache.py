@@ -50,13 +50,14 @@ _KEY = re.compile(r"^[0-9a-f]{64}$")
 # gkbuild's own code a program is traced through: a change here is a new program even under the
 # same gkbuild version.
 KERNEL_SOURCES = {"inductor": ("kernels/*.py", "compile/programs.py", "compile/signature.py", "compile/inductor.py"),
-                  "neuron": ("compile/neuron.py", "compile/neuron_trace.py", "compile/signature.py")}
+                  "neuron": ("compile/neuron.py", "compile/neuron_trace.py", "compile/signature.py",
+                             "compile/switches.py", "compile/interface.py", "compile/interfaces/*.json")}
 
 
 def kernel_revision(backend: str, kernel: dict | None) -> str:
     """The revision of the code a program is made from: the sha256 of gkbuild's sources that trace
-    it and, for NEFFs, the stage's kernel record (nki-library source and revision, entry points,
-    trace-time switches, trace mode)."""
+    it and, for NEFFs, the program's kernel (library source and revision, entry point, switch
+    overrides, trace mode: with gkbuild's switch policy and interfaces, its whole switch setting)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for pattern in KERNEL_SOURCES[backend]:

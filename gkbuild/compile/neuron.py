@@ -4,21 +4,30 @@ one per program and decode batch size (NEFF shapes are static).
 What it runs for each program of a trn2/trn3 build (the Neuron SDK installed: torch-neuronx,
 torch-xla, neuronx-cc, nki):
 
-1. resolve ``compile.nki_library`` (a pinned git commit, cloned once into ``$GKBUILD_CACHE``, or a
-   local folder) and its import roots (``kernel_source``);
-2. trace in a process of its own (``neuron_trace``), with an environment holding exactly the
-   recipe's ``compile.kernel_switches`` among the kernels' ``VLLM_NEURON_MEGA_*`` switches (KV
-   write-back on), and, with ``compile.trace: host`` (the default), the SDK's CPU compile mode
-   (``NEURON_PLATFORM_TARGET_OVERRIDE=<target>``, ``PJRT_DEVICE=CPU``: no NeuronCore needed, so a
-   plain x86 CI runner with the SDK compiles NEFFs). It imports ``compile.kernels.<program>``,
-   checks the argument set against the kernel's real signature (one line naming what is missing or
-   extra), calls the kernel on XLA tensors of the signature's per-rank shapes and dtypes, and
-   writes the HLO module proto to ``.gkbuild/neuron/<program>-b<B>.hlo.pb``;
-3. run ``invocation(...)`` (printed by ``gkbuild plan --show-compile``):
-       neuronx-cc compile --framework=XLA <hlo> --output compiled/<program>-b<B>.neff
-         --target=<trn2|trn3> --lnc=1 --model-type=transformer --auto-cast=none -O<level>
-         --logfile=.gkbuild/neuron/<program>-b<B>.neuronx-cc.log
-4. read the NEFF header (``neff.read``) into the manifest.
+1. resolve the program's kernel (``compile.kernels.<program>``: a library pinned at a commit,
+   cloned once into ``$GKBUILD_CACHE``, or a local folder, and an entry point), check the checkout
+   against gkbuild's committed interface of that revision when there is one, and scan it for the
+   ``VLLM_NEURON_MEGA_*`` switches it reads (``switches``: each is set explicitly);
+2. trace and compile in a process of its own (``neuron_trace``) whose environment holds exactly
+   those switches. The kernel is called on tensors of the signature's per-rank shapes and dtypes,
+   its arguments first checked against its real signature. ``compile.trace``:
+
+   - ``host`` (default): ``torch_neuronx.trace(fn, inputs, compiler_workdir=..., compiler_args=...,
+     cpu_backend=True)`` with ``NEURON_PLATFORM_TARGET_OVERRIDE=<target>``: no NeuronCore needed.
+     Both are AWS-documented: the torch-neuronx tracing API (``cpu_backend``, SDK 2.28+:
+     frameworks/torch/torch-neuronx/api-reference-guide/inference/api-torch-neuronx-trace) and
+     the target override for compiling without hardware (nki/api/generated/nki.jit;
+     vllm-neuron/docs/design/compilation/cpu_compilation), both on awsdocs-neuron.readthedocs-hosted.com;
+   - ``device``: the same ``torch_neuronx.trace`` on the host's NeuronCore;
+   - ``xla-cpu``: torch-xla on ``PJRT_DEVICE=CPU``, the HLO proto written out, then the
+     ``neuronx-cc compile --framework=XLA`` CLI. Not a documented Neuron compile mode: a warning
+     says so whenever it is used.
+
+   The compiler arguments (``flags``) are the same in every mode; on trn2 a decode with FP8 KV adds
+   ``--experimental-unsafe-fp8e4m3fn-as-fp8e4m3`` (NCC_EVRF051: trn2 has no F8E4M3FN; K/V are
+   carried as float8_e4m3fn saturated at +-240, whose bits are IEEE e4m3's);
+3. the NEFF is moved into ``compiled/<program>-b<B>.neff`` only when the compiler has finished,
+   and its header read into the manifest (``neff.read``).
 
 One NEFF a program serves every rank (SPMD: ``rank_id`` is an input). Nothing of the SDK is imported
 in this process; without it the stage is recorded as skipped.
@@ -26,6 +35,7 @@ in this process; without it the stage is recorded as skipped.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -35,13 +45,16 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import GkError
-from . import kernel_source
+from ..progress import warn
+from . import interface, kernel_source, switches
 from .signature import Signature
 
 COMPILER = "neuronx-cc"
 SDK_MODULES = ("torch_neuronx", "torch_xla", "neuronxcc", "nki")
-SWITCH_PREFIX = "VLLM_NEURON_MEGA_"  # the published kernels' trace-time switches
-MESHES = ("tp_replica_group", "ep_replica_group", "hop_meshes")
+MESHES = ("tp_replica_group", "ep_replica_group")  # nki.collectives.ReplicaGroup arguments of the decode
+FP8_ON_TRN2 = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+UNVERIFIED = {"xla-cpu": "compile.trace: xla-cpu traces with torch-xla on PJRT_DEVICE=CPU, which AWS does not document "
+                         "as a Neuron compile mode: unverified"}
 
 
 def sdk() -> str | None:
@@ -58,9 +71,13 @@ def compiler() -> dict:
     return {"name": COMPILER, "version": version}
 
 
-def flags(recipe) -> list[str]:
-    return [f"--target={recipe.target}", "--lnc=1", "--model-type=transformer", "--auto-cast=none",
-            f"-O{recipe.compile.optimization_level}"]
+def flags(recipe, program: str = "decode") -> list[str]:
+    """neuronx-cc arguments of one program (what ``torch_neuronx.trace`` is given as ``compiler_args``)."""
+    f = [f"--target={recipe.target}", "--lnc=1", "--model-type=transformer", "--auto-cast=none",
+         f"-O{recipe.compile.optimization_level}"]
+    if recipe.target == "trn2" and program == "decode" and recipe.kv_cache.dtype == "fp8":
+        f.append(FP8_ON_TRN2)
+    return f
 
 
 def workdir(build_dir: Path) -> Path:
@@ -70,75 +87,134 @@ def workdir(build_dir: Path) -> Path:
 
 
 def invocation(sig: Signature, recipe, build_dir: Path) -> list[str]:
-    """The exact neuronx-cc command line for one program of a build in ``build_dir``."""
+    """What compiles one program of a build in ``build_dir``, as a command line: the trace call
+    (``host``/``device``) or the neuronx-cc CLI (``xla-cpu``)."""
     work, out = workdir(build_dir), Path(build_dir) / "compiled"
-    return [COMPILER, "compile", "--framework=XLA", str(work / f"{sig.key}.hlo.pb"), "--output",
-            str(out / f"{sig.key}.neff"), *flags(recipe), f"--logfile={work / f'{sig.key}.neuronx-cc.log'}"]
+    args = flags(recipe, sig.program)
+    if recipe.compile.trace == "xla-cpu":
+        return [COMPILER, "compile", "--framework=XLA", str(work / f"{sig.key}.hlo.pb"), "--output",
+                str(out / f"{sig.key}.neff"), *args, f"--logfile={work / f'{sig.key}.neuronx-cc.log'}"]
+    env = [f"NEURON_PLATFORM_TARGET_OVERRIDE={recipe.target}"] if recipe.compile.trace == "host" else []
+    return [*env, "torch_neuronx.trace", f"--cpu-backend={recipe.compile.trace == 'host'}",
+            f"--compiler-workdir={work / sig.key}", f"--output={out / f'{sig.key}.neff'}", *args]
 
 
-def switches(recipe) -> dict[str, str]:
-    return dict(sw.partition("=")[::2] for sw in recipe.compile.kernel_switches)
+# -- the kernels ------------------------------------------------------------------------------------
+def kernel(recipe, program: str) -> dict:
+    """A program's kernel as the recipe resolves it, before any checkout: library and revision,
+    entry point, the committed interface (if gkbuild has one for the revision), the switch
+    settings that interface implies, and the trace mode."""
+    base = recipe.path.parent if recipe.path else None
+    library, entry = kernel_source.chosen(recipe, program)
+    src = kernel_source.parse(library, base, f"compile.kernels.{program}.library")
+    doc = kernel_source.interface(src)
+    rec = {"library": library, "source": src.describe(), "revision": kernel_source.revision(src), "entry": entry,
+           "interface": _interface_ref(doc), "trace": recipe.compile.trace,
+           "switch_overrides": _asked(recipe, program)}
+    rec["switches"] = _settings(recipe, program, doc["switches"], doc["flag_off_values"]) if doc else None
+    return rec
 
 
-def trace_environment(recipe, base: dict | None = None) -> dict[str, str]:
-    """The trace process's environment: the caller's, less any kernel switch it happens to carry,
-    plus the recipe's switches (and the CPU compile mode for ``trace: host``)."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SWITCH_PREFIX)}
-    env.update(switches(recipe))
-    if recipe.compile.trace == "host":
-        env.update(NEURON_PLATFORM_TARGET_OVERRIDE=recipe.target, PJRT_DEVICE="CPU")
+def key_of(rec: dict) -> dict:
+    """What of a kernel record a compiled program depends on (the full switch settings follow from
+    the revision, the overrides and gkbuild's own code, which the program key holds)."""
+    return {k: rec[k] for k in ("source", "revision", "entry", "trace", "switch_overrides")}
+
+
+def _asked(recipe, program: str) -> dict[str, str]:
+    """The recipe's switch overrides apply to the decode; the tail is traced on the reference path."""
+    return switches.overrides(recipe.compile.kernel_switches) if program == "decode" else {}
+
+
+def _settings(recipe, program, reads, off) -> dict:
+    where = recipe.path or "recipe"
+    return {s.name: s.to_dict() for s in switches.settings(reads, off, _asked(recipe, program), str(where))}
+
+
+def _interface_ref(doc: dict | None) -> dict | None:
+    if doc is None:
+        return None
+    text = json.dumps(doc, sort_keys=True).encode()
+    return {"file": interface.file_name(doc["repo"], doc["commit"]), "sha256": hashlib.sha256(text).hexdigest(),
+            "files": doc["files"]}
+
+
+def prepare(recipe, program: str, rec: dict, cache: Path) -> tuple[Path, dict]:
+    """Check out a program's library and finish its kernel record from the checkout: the files the
+    committed interface names must be the ones checked out, and every switch the library reads
+    anywhere gets its explicit setting."""
+    base = recipe.path.parent if recipe.path else None
+    src = kernel_source.parse(rec["library"], base, f"compile.kernels.{program}.library")
+    root = kernel_source.checkout(src, cache)
+    for path, sha in ((rec["interface"] or {}).get("files") or {}).items():
+        p = root / path
+        got = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "missing"
+        if got != sha:
+            raise GkError(f"{rec['library']}: {path} in the checkout ({got[:12]}) is not the source gkbuild's "
+                          f"interface {rec['interface']['file']} was read from ({sha[:12]})")
+    reads, off = interface.scan_switches(root)
+    return root, {**rec, "switches": _settings(recipe, program, reads, off)}
+
+
+def trace_environment(rec: dict, target: str, base: dict | None = None) -> dict[str, str]:
+    """The trace process's environment: the caller's, less every kernel switch it happens to carry,
+    plus each of the program's switches set explicitly and the compile mode's variables."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith(interface.SWITCH_PREFIX)}
+    env.update({n: s["value"] for n, s in (rec["switches"] or {}).items()})
+    env.pop("PJRT_DEVICE", None)
+    env.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+    if rec["trace"] == "host":
+        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
+    elif rec["trace"] == "xla-cpu":
+        env.update(NEURON_PLATFORM_TARGET_OVERRIDE=target, PJRT_DEVICE="CPU")
     return env
 
 
-def kernel_entry(recipe, program: str) -> str:
-    return getattr(recipe.compile.kernels, program)
-
-
-def kernel_record(recipe, source: kernel_source.KernelSource) -> dict:
-    """What the manifest and the compile key say about the kernels compiled."""
-    return {"source": source.describe(), "revision": kernel_source.revision(source),
-            "decode": recipe.compile.kernels.decode, "tail": recipe.compile.kernels.tail,
-            "switches": switches(recipe), "trace": recipe.compile.trace}
-
-
-def trace_spec(sig: Signature, entry: str, paths: list[str], hlo: Path) -> dict:
-    scalars = {k: (_lists(v) if k in MESHES else v) for k, v in sig.scalars.items()}
-    return {"program": sig.program, "kernel": entry, "paths": paths, "hlo": str(hlo),
+def trace_spec(sig: Signature, rec: dict, paths: list[str], work: Path, args: list[str]) -> dict:
+    scalars = {k: (_lists(v) if k in MESHES or k == "hop_meshes" else v) for k, v in sig.scalars.items()}
+    return {"program": sig.program, "key": sig.key, "kernel": rec["entry"], "paths": paths, "mode": rec["trace"],
+            "workdir": str(work / sig.key), "hlo": str(work / f"{sig.key}.hlo.pb"),
+            "neff": str(work / f"{sig.key}.neff.partial"), "compiler_args": args,
             "inputs": [i.to_dict() for i in sig.inputs], "scalars": scalars,
-            "meshes": [k for k in MESHES if k in scalars]}
+            "replica_groups": [k for k in MESHES if k in scalars]}
 
 
 def _lists(v):
     return [_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
-def build(plan, sig: Signature, build_dir: Path, source: kernel_source.KernelSource, cache: Path) -> Path:
-    """Trace one program's kernel to HLO and compile it with neuronx-cc; returns the NEFF."""
+def build(plan, sig: Signature, build_dir: Path, root: Path, rec: dict) -> Path:
+    """Trace one program's kernel and compile it; returns the NEFF, under its final name only once
+    the compiler has finished."""
     r = plan.recipe
-    root = kernel_source.checkout(source, cache)
+    if rec["trace"] in UNVERIFIED:
+        warn(UNVERIFIED[rec["trace"]])
     work = workdir(build_dir)
     work.mkdir(parents=True, exist_ok=True)
     (Path(build_dir) / "compiled").mkdir(parents=True, exist_ok=True)
-    hlo = work / f"{sig.key}.hlo.pb"
     spec_path = work / f"{sig.key}.trace.json"
-    spec_path.write_text(json.dumps(trace_spec(sig, kernel_entry(r, sig.program), kernel_source.import_roots(root),
-                                               hlo), indent=1))
-    done = subprocess.run([sys.executable, "-m", "gkbuild.compile.neuron_trace", str(spec_path)],
-                          env=trace_environment(r), capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
-        said = next((ln.removeprefix("gkbuild-trace: ") for ln in lines if ln.startswith("gkbuild-trace: ")),
-                    lines[-1] if lines else "(no output)")
-        raise GkError(f"{sig.key}: {said}")
-    cmd = invocation(sig, r, build_dir)
-    final = Path(cmd[cmd.index("--output") + 1])
-    tmp = work / f"{sig.key}.neff.partial"  # the NEFF appears under its name only when complete
-    cmd[cmd.index("--output") + 1] = str(tmp)
+    spec = trace_spec(sig, rec, kernel_source.import_roots(root), work, flags(r, sig.program))
+    spec_path.write_text(json.dumps(spec, indent=1))
+    tmp, final = Path(spec["neff"]), Path(build_dir) / "compiled" / f"{sig.key}.neff"
+    tmp.unlink(missing_ok=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "gkbuild.compile.neuron_trace", str(spec_path)],
+                              env=trace_environment(rec, r.target), capture_output=True, text=True)
         if done.returncode != 0:
-            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise GkError(f"neuronx-cc failed on {sig.key} (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
+            lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
+            said = next((ln.removeprefix("gkbuild-trace: ") for ln in lines if ln.startswith("gkbuild-trace: ")),
+                        lines[-1] if lines else "(no output)")
+            raise GkError(f"{sig.key}: {said}")
+        if rec["trace"] == "xla-cpu":
+            cmd = invocation(sig, r, build_dir)
+            cmd[cmd.index("--output") + 1] = str(tmp)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+                raise GkError(f"neuronx-cc failed on {sig.key} (log: {cmd[-1].split('=', 1)[1]}): {last[0]}")
+        if not tmp.is_file():
+            raise GkError(f"{sig.key}: the compiler reported success but wrote no NEFF")
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

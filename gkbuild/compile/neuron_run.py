@@ -7,9 +7,10 @@ distributed backend): rank r loads its own shards (``Build.load_rank``), keeps i
 its NeuronCore, and each step builds the same control inputs as the twins' driver
 (``driver.Controls``, converted and checked by ``kernel_inputs``), calls the recipe's decode kernel
 on them, gathers the batch's hidden states and calls the tail kernel, which emits this rank's
-vocabulary slice of the logits. The calls are the ones the build traced (same kernel, arguments,
-switches and flags), so the SDK's compile cache serves the programs the build compiled. Rank r
-writes its slices to ``OUT/logits-r<r>.pt``; the caller joins them.
+vocabulary slice of the logits. The calls are the ones the build traced (same kernels, arguments,
+switches, set from each program's manifest record before its kernel is imported, and flags), so the
+SDK's compile cache serves the programs the build compiled. Rank r writes its slices to
+``OUT/logits-r<r>.pt``; the caller joins them.
 
 Needs the Neuron SDK and NeuronCores; without them ``check`` says so in one line. Not run on the
 machines gkbuild is developed on: only its refusals and its launch line are tested there.
@@ -56,17 +57,12 @@ def run(build, golden_path: Path, batch: int, out: Path):
                       f"{sorted({a['batch_size'] for a in arts})})")
     out.mkdir(parents=True, exist_ok=True)
     cmd = command(build.root, golden_path, out, build.world_size, batch)
-    done = subprocess.run(cmd, env=neuron.trace_environment(_recipe(build.manifest), dict(os.environ)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NEURON_MEGA_")}  # each rank sets them
+    done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
         raise GkError(f"--engine neuron: a rank failed (exit {done.returncode}); see its output above")
     vtp = build.manifest["topology"]["vtp"]
     return torch.cat([torch.load(out / f"logits-r{r}.pt") for r in range(vtp)], dim=-1)
-
-
-def _recipe(m: dict):
-    from .. import recipe
-
-    return recipe.from_dict({k: v for k, v in m["recipe"]["resolved"].items() if k != "name"} | {"name": m["name"]})
 
 
 def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # pragma: no cover - Trainium only
@@ -76,6 +72,7 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
     from nki.collectives import ReplicaGroup
 
+    from ..checkpoint.source import cache_root
     from ..golden import Golden
     from ..kernels import kernel_inputs
     from ..kernels.driver import Controls
@@ -90,37 +87,39 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
     m, g = b.manifest, Golden.load(Path(golden_path))
     t = m["topology"]
     arts = {a["program"]: a for a in m["compile"]["artifacts"] if a["batch_size"] == batch}
-    r = _recipe(m)
-    root = kernel_source.checkout(kernel_source.parse(r.compile.nki_library), Path(os.environ.get("GKBUILD_CACHE",
-                                                                                                  Path.home() / ".cache/gkbuild")))
-    kernels = {p: load_kernel(a["kernel"]["entry"], kernel_source.import_roots(root)) for p, a in arts.items()}
+
+    def kernel(a):
+        """The program's kernel, imported with its recorded switches set (some are read at import)."""
+        for n, s in (a["kernel"]["switches"] or {}).items():
+            os.environ[n] = s["value"]
+        src = kernel_source.parse(a["kernel"]["library"], Path(build_dir))
+        return load_kernel(a["kernel"]["entry"], kernel_source.import_roots(kernel_source.checkout(src, cache_root())))
 
     def scalars(a):
         s = dict(a["scalars"])
         for k in ("tp_replica_group", "ep_replica_group"):
             if k in s:
-                s[k] = ReplicaGroup(s[k])
-        if "hop_meshes" in s:
-            s["hop_meshes"] = tuple(ReplicaGroup(x) for x in s["hop_meshes"])
+                s[k] = ReplicaGroup(tuple(tuple(x) for x in s[k]))
+        if "hop_meshes" in s:  # the tail builds its ReplicaGroups itself
+            s["hop_meshes"] = tuple(tuple(tuple(x) for x in mesh) for mesh in s["hop_meshes"])
         return s
 
+    kernels = {p: kernel(a) for p, a in arts.items()}
     weights = {k: v.to(dev) for k, v in b.load_rank(rank).items()}
-    embed = b.load_host()["embed_tokens"]  # decode.embedding: host (the public kernel takes x_shard)
+    host = b.load_host().get("embed_tokens")
     kv = {k: v.to(dev) for k, v in b.allocate_kv().arguments().items()}
     P, T = g.token_ids.shape
     rows = torch.arange(batch) % P
     steps = Controls(m, b.kv_layout(), batch, T)
-    q_l = m["model"]["num_attention_heads"] // t["tp"]
-    T_shard = batch // t["world_size"]
     mine = owned_rows(rank % t["vtp"], t["vtp"], batch, t["hops"], t["a2a_batch_groups"])
     logits = []
     for pos in range(T):
         ctl = steps.next()[rank // t["tp"]]
         tokens = g.token_ids[rows, pos]
-        x = embed[tokens[rank * T_shard:(rank + 1) * T_shard]].to(torch.bfloat16)
-        given = {"x_shard": x, **weights, **kv,
-                 **kernel_inputs.decode_controls(ctl, b.kv_layout().block_size, b.kv_layout().kv_heads, q_l, rank)}
         dec = arts["decode"]
+        for n, s in (dec["kernel"]["switches"] or {}).items():
+            os.environ[n] = s["value"]
+        given = kernel_inputs.decode_given(m, rank, tokens, ctl, weights, kv, host)
         args = kernel_inputs.assemble(dec["inputs"], given, dec["name"])
         outs = kernels["decode"](**{i["name"]: a.to(dev) for i, a in zip(dec["inputs"], args)}, **scalars(dec))
         x_out, *updated = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -128,6 +127,8 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
         gathered = [torch.empty_like(x_out) for _ in range(t["world_size"])]
         dist.all_gather(gathered, x_out)
         tl = arts["tail"]
+        for n, s in (tl["kernel"]["switches"] or {}).items():
+            os.environ[n] = s["value"]
         given = {"hidden_states": torch.cat(gathered).cpu(), **{k: weights[k].cpu() for k in ("gamma", "lm_head_weight_t")},
                  "sampling_params": torch.zeros(len(mine), tl["inputs"][-1]["shape"][1])}
         args = kernel_inputs.assemble(tl["inputs"], given, tl["name"])

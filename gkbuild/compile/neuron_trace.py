@@ -1,13 +1,22 @@
-"""Trace one Neuron program to HLO, in a process of its own: ``python -m gkbuild.compile.neuron_trace
-SPEC.json``.
+"""Trace and compile one Neuron program, in a process of its own: ``python -m
+gkbuild.compile.neuron_trace SPEC.json``.
 
 A process of its own because what the published kernels trace depends on the process: they read
-switches from the environment while tracing (the decode's KV write-back), keep trace-scoped module
-caches, and the SDK picks its device (a NeuronCore, or the host in the SDK's CPU compile mode,
-``NEURON_PLATFORM_TARGET_OVERRIDE``) when torch_xla is first imported. The parent sets the
-environment; this process imports the kernel from the recipe's ``compile.nki_library``, checks the
-argument set against the kernel's real signature, calls it on XLA tensors shaped and typed as the
-program's signature says, and writes the HLO module proto of its outputs.
+switches from the environment while tracing (and some at import), keep trace-scoped module caches,
+and the SDK picks its target when first imported. The parent sets the environment; this process
+imports the kernel from its library's import roots, checks the argument set against the kernel's
+real signature, and compiles the kernel called on tensors shaped and typed as the program's
+signature says:
+
+- ``host`` / ``device``: ``torch_neuronx.trace`` (``cpu_backend=True`` for ``host``) with the
+  build's compiler arguments; the NEFF the compiler leaves in the work folder is copied to
+  ``spec["neff"]``;
+- ``xla-cpu``: the outputs' HLO module proto (torch-xla) is written to ``spec["hlo"]`` for the
+  neuronx-cc CLI.
+
+The decode's ``tp_replica_group`` / ``ep_replica_group`` are ``nki.collectives.ReplicaGroup``
+objects (its annotation); the tail's ``hop_meshes`` stay tuples of rank tuples: the tail reads
+``len(mesh[0])`` and builds each ``ncc.ReplicaGroup`` itself.
 
 Errors are one line on stderr (``gkbuild-trace: ...``) and exit status 3; the parent raises it.
 """
@@ -17,7 +26,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import shutil
 import sys
+from pathlib import Path
 
 
 class TraceError(Exception):
@@ -65,54 +76,76 @@ def check_arguments(kernel, given: list[str], program: str) -> None:
                          f"{'; '.join(parts)}")
 
 
-def tensor(spec: dict, device):
-    """A zero tensor (or the build's constant) of the signature's shape and dtype on ``device``."""
+def tensor(spec: dict):
+    """A zero CPU tensor (or the build's constant) of the signature's shape and dtype."""
     import torch
 
     name = spec["dtype"]
     dt = getattr(torch, name, None)
-    if dt is None:
-        raise TraceError(f"{spec['name']}: this torch has no dtype {name!r} (trn2 FP8 KV is IEEE-style float8_e4m3, "
-                         f"max 240; OCP float8_e4m3fn fails NCC_EOCP001 there): use kv_cache.dtype: bf16, or "
-                         f"target trn3")
+    if not isinstance(dt, torch.dtype):
+        raise TraceError(f"{spec['name']}: torch has no dtype {name!r}")
     t = torch.zeros(spec["shape"], dtype=dt)
     if spec.get("value") is not None:
         t.fill_(spec["value"])
-    return t.to(device)
+    return t
 
 
-def trace(spec: dict) -> bytes:
-    kernel = load_kernel(spec["kernel"], spec["paths"])
-    names = [i["name"] for i in spec["inputs"]] + list(spec["scalars"])
-    check_arguments(kernel, names, spec["program"])
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    from nki.collectives import ReplicaGroup
-
-    device = xm.xla_device()
-    tensors = {i["name"]: tensor(i, device) for i in spec["inputs"]}
-    scalars = dict(spec["scalars"])
-    for name in spec["meshes"]:
-        v = scalars[name]
-        scalars[name] = tuple(ReplicaGroup(m) for m in v) if name == "hop_meshes" else ReplicaGroup(v)
+def _call(kernel, spec: dict, names: list[str], scalars: dict, tensors):
     try:
-        outs = kernel(**tensors, **scalars)
+        outs = kernel(**dict(zip(names, tensors)), **scalars)
     except Exception as e:  # noqa: BLE001 - the kernel's own assertion, said in one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TraceError(f"the {spec['program']} kernel refused its arguments: {type(e).__name__}: {msg}") from None
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    return bytes(torch_xla._XLAC._get_xla_tensors_hlo_proto(outs))
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+
+def trace(spec: dict) -> None:
+    kernel = load_kernel(spec["kernel"], spec["paths"])
+    names = [i["name"] for i in spec["inputs"]]
+    check_arguments(kernel, names + list(spec["scalars"]), spec["program"])
+    from nki.collectives import ReplicaGroup
+
+    scalars = dict(spec["scalars"])
+    for name in spec["replica_groups"]:
+        scalars[name] = ReplicaGroup(tuple(tuple(g) for g in scalars[name]))
+    if "hop_meshes" in scalars:
+        scalars["hop_meshes"] = tuple(tuple(tuple(g) for g in mesh) for mesh in scalars["hop_meshes"])
+    inputs = [tensor(i) for i in spec["inputs"]]
+    if spec["mode"] == "xla-cpu":
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        device = xm.xla_device()
+        outs = _call(kernel, spec, names, scalars, [t.to(device) for t in inputs])
+        Path(spec["hlo"]).write_bytes(bytes(torch_xla._XLAC._get_xla_tensors_hlo_proto(list(outs))))
+        return
+    import torch_neuronx
+
+    work = Path(spec["workdir"])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        torch_neuronx.trace(lambda *ts: _call(kernel, spec, names, scalars, ts), tuple(inputs),
+                            compiler_workdir=str(work), compiler_args=list(spec["compiler_args"]),
+                            cpu_backend=spec["mode"] == "host")
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the SDK's or the compiler's error, said in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TraceError(f"torch_neuronx.trace failed: {type(e).__name__}: {msg[:500]}") from None
+    neffs = sorted(work.rglob("*.neff"))
+    if len(neffs) != 1:
+        raise TraceError(f"expected one NEFF in the compiler's work folder {work}, found {len(neffs)}")
+    shutil.copyfile(neffs[0], spec["neff"])
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
+    spec = json.loads(Path(argv[0]).read_text())
     try:
-        hlo = trace(spec)
+        trace(spec)
     except TraceError as e:
         print(f"gkbuild-trace: {e}", file=sys.stderr)
         return 3
-    with open(spec["hlo"], "wb") as f:
-        f.write(hlo)
     return 0
 
 

@@ -5,20 +5,24 @@ Two families, derived here once and used by the trace, the manifest, the driver 
 - **Neuron programs** (trn2/trn3): what the published kernels take, under their own argument names,
   with each rank's static shapes, one program per decode batch size (NEFF shapes are static).
   The decode program is ``gpt_oss_decode_mega_kernel`` (nki-library
-  ``models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py``): its
-  parameter order, ``x_shard`` [B/(DP*TP), Hp], the stacked weights, K/V in the recipe's form,
-  layer-invariant control over the replica's B_attn = B/DP tokens (cos/sin [d/2, B_attn, 1], int32
-  block tables with -1 for unused slots, the uint8 active-token mask, float32 positions, uint32
-  update slots where uint32 max means skip), ``rank_id`` [1, 1] uint32, and the FP8 quantize
-  multipliers ``k_scale``/``v_scale`` [1, 1] fp32 (passing them is what turns FP8 KV on).
-  The tail is ``gpt_oss_tail_chunked_megakernel``: ``hidden_states`` [B, Hp] (every rank sees the
-  batch), ``sampling_params`` [B/VTP, 3|4] (this rank's rows only), outputs in the kernel's order.
+  ``models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py``, A or
+  the fork F): its parameter order, ``x_shard`` [B/(DP*TP), Hp], the stacked weights, K/V in the
+  recipe's form, layer-invariant control over the replica's B_attn = B/DP tokens (cos/sin
+  [d/2, B_attn, 1], int32 block tables with -1 for unused slots, the uint8 active-token mask,
+  float32 positions, uint32 update slots where uint32 max means skip), ``rank_id`` [1, 1] uint32,
+  the FP8 quantize multipliers ``k_scale``/``v_scale`` [1, 1] fp32 (passing them is what turns FP8
+  KV on), and F's optional forms (``kv_cache_update_idx_swa``, ``embed_*``, ``inv_freq`` +
+  ``rope_concentration``). The tail is ``gpt_oss_tail_chunked_megakernel``: ``hidden_states``
+  [B, Hp] (every rank sees the batch), ``sampling_params`` [B/VTP, 3|4] (this rank's rows only),
+  outputs in the kernel's order. Each program's argument set is held to its revision's committed
+  interface (``conformance``) before anything is traced.
 - **Inductor programs** (cpu/cuda, world size 1): the torch twins' own signature with one dynamic
   ``"batch"`` dimension, one program each for decode and tail.
 
 Every input says what it is: ``weight`` (with the shard file rank 0 reads it from; rank r reads
 its own, ``ranks[r].loads``), ``kv_buffer``, ``control`` (built by the runtime each step),
-``activation``, ``constant`` (fixed by the build: ``value``) or ``rank`` (the rank's own id).
+``activation``, ``constant`` (fixed by the build: ``value``) or ``rank`` (fixed per rank by its
+coordinates: ``rank_id``, ``embed_x_shard_ids``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from ..dtypes import dtype as gk_dtype
 
 TAIL_WEIGHTS = ("gamma", "lm_head_weight_t")
-FUSED = ("embed_weight", "inv_freq")  # device-side embedding / RoPE: placed where what they replace was
+FUSED = ("embed_weight", "inv_freq")  # device-side embedding / RoPE: placed in the kernel's parameter order
 NOT_DECODE = TAIL_WEIGHTS + FUSED  # the tail has its own program
 ACTIVATION = "bfloat16"  # the decode residual stream (the kernel refuses fp32 queries with FP8 KV)
 UINT32_SKIP = 0xFFFFFFFF  # an update slot of uint32 max: this row writes nothing
@@ -37,7 +41,6 @@ DECODE_WEIGHTS = ("input_layernorm_weight", "W_qkv", "bias_qkv", "W_out", "bias_
                   "post_attn_layernorm_weight", "router_weights", "router_bias", "expert_gate_up_weights",
                   "expert_down_weights", "expert_gate_up_weights_scale", "expert_down_weights_scale",
                   "expert_gate_up_bias", "expert_down_bias")
-_KV_AT = DECODE_WEIGHTS.index("post_attn_layernorm_weight")  # K/V sit between sink and the MoE weights
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,10 @@ def programs(plan) -> list[Signature]:
 
 # -- Neuron programs ---------------------------------------------------------------------------------
 def kv_dtype_name(kv_dtype: str) -> str:
-    """The kernel's KV dtype: trn2 IEEE-style float8_e4m3 (max 240), trn3 OCP float8_e4m3fn."""
-    return {"bf16": "bfloat16", "fp8_e4m3": "float8_e4m3", "fp8_e4m3fn": "float8_e4m3fn"}[kv_dtype]
+    """The torch dtype K/V are carried in: both FP8 formats as float8_e4m3fn. trn3 takes it
+    natively; on trn2 (no F8E4M3FN, NCC_EVRF051) the bytes hold values saturated at +-240, whose bit
+    patterns are IEEE e4m3's, and the decode compiles with ``--experimental-unsafe-fp8e4m3fn-as-fp8e4m3``."""
+    return {"bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn"}[kv_dtype]
 
 
 def _weights(plan, names, extras: bool = True) -> list[Input]:
@@ -102,53 +107,57 @@ def _weights(plan, names, extras: bool = True) -> list[Input]:
 
 
 def kv_inputs(kv) -> list[Input]:
-    """The KV arguments of the decode kernel in the plan's form."""
+    """K_cache and V_cache in the plan's form: [entries, ...] (L stacked, ceil(L/2) paired)."""
     dt = kv_dtype_name(kv.dtype)
-    if kv.form == "stacked":
-        return [Input("K_cache", (kv.entries, *kv.k_block_shape), dt, "kv_buffer"),
-                Input("V_cache", (kv.entries, *kv.block_shape), dt, "kv_buffer")]
-    return ([Input(f"K_cache_buf_{j}", tuple(kv.k_block_shape), dt, "kv_buffer") for j in range(kv.entries)]
-            + [Input(f"V_cache_buf_{j}", tuple(kv.block_shape), dt, "kv_buffer") for j in range(kv.entries)])
+    return [Input("K_cache", (kv.entries, *kv.k_block_shape), dt, "kv_buffer"),
+            Input("V_cache", (kv.entries, *kv.block_shape), dt, "kv_buffer")]
+
+
+def _decode_order() -> list[str]:
+    """The decode kernel's parameter order, from the fork F's committed interface (a superset of A's,
+    in the same order): the order a program's inputs and scalars are listed in."""
+    from .interface import load
+    from .kernel_source import F
+
+    repo, _, commit = F.partition("@")
+    return [p["name"] for p in load(repo, commit)["entries"]["gpt_oss_decode_mega_kernel"]["params"]]
 
 
 def neuron_decode(plan, batch: int) -> Signature:
+    """One rank's ``gpt_oss_decode_mega_kernel`` arguments for a global batch (CONTRACT.md section 6).
+    Every form passes x_shard (the fused embedding reads its shape and dtype) and cos/sin (fused RoPE
+    writes its tables in their dtype); the optional forms add their own arguments."""
     s, kv, d, t = plan.scalars, plan.kv, plan.dims, plan.recipe.topology
     L, half = plan.config.L, plan.config.d // 2
     T, B_attn = batch // t.world, batch // t.dp
     heads = (kv.kv_heads,) if kv.kv_heads > 1 else ()  # per-head tables and slots when a rank holds several
-    weights = _weights(plan, DECODE_WEIGHTS)
-    n_before = sum(1 for w in weights if w.name in DECODE_WEIGHTS[:_KV_AT])
-    fused = {f["name"]: f for f in plan.fused_inputs(0)}
-    if "embed_weight" in fused:  # the kernel's embedding prologue makes x_shard from these
-        w, ids = fused["embed_weight"], fused["embed_ids"]
-        head = [Input("embed_weight", tuple(w["shape"]), gk_dtype(w["dtype"]).torch, "weight", w["file"]),
-                Input("embed_ids", (batch if ids["shape"] == ["B"] else B_attn,), "int32", "control")]
-    else:
-        head = [Input("x_shard", (T, d.Hp), ACTIVATION, "activation")]
-    if "inv_freq" in fused:  # fused RoPE: cos/sin from the positions, inv_freq and the concentration
-        f = fused["inv_freq"]
-        rope = [Input("inv_freq", tuple(f["shape"]), gk_dtype(f["dtype"]).torch, "weight", f["file"])]
-    else:
-        rope = [Input("cos", (half, B_attn, 1), "float32", "control"),
-                Input("sin", (half, B_attn, 1), "float32", "control")]
-    ctl = [Input("swa_start_pos_ids", (L, B_attn, 1), "float32", "control"), *rope,
-           Input("active_blocks_table", (B_attn, *heads, s["full_table_blocks"]), "int32", "control"),
-           Input("active_blocks_table_swa", (B_attn, *heads, s["swa_table_blocks"]), "int32", "control"),
-           Input("attention_mask", (1, B_attn, d.q_l, 1), "uint8", "control"),
-           Input("kv_cache_update_idx", (B_attn, *heads, 1), "uint32", "control")]
-    if "swa" in kv.update_indices:
-        ctl.append(Input("kv_cache_update_idx_swa", (B_attn, *heads, 1), "uint32", "control"))
-    ctl += [Input("pos_ids", (B_attn, 1), "float32", "control"),
-            Input("pos_ids_swa", (B_attn, 1), "float32", "control"),
-            Input("rank_id", (1, 1), "uint32", "rank")]
-    fp8 = []
+    ins = {i.name: i for i in _weights(plan, DECODE_WEIGHTS)}
+    ins.update({i.name: i for i in kv_inputs(kv)})
+    ins["x_shard"] = Input("x_shard", (T, d.Hp), ACTIVATION, "activation")
+    for i in (Input("swa_start_pos_ids", (L, B_attn, 1), "float32", "control"),
+              Input("cos", (half, B_attn, 1), "float32", "control"),
+              Input("sin", (half, B_attn, 1), "float32", "control"),
+              Input("active_blocks_table", (B_attn, *heads, s["full_table_blocks"]), "int32", "control"),
+              Input("active_blocks_table_swa", (B_attn, *heads, s["swa_table_blocks"]), "int32", "control"),
+              Input("attention_mask", (1, B_attn, d.q_l, 1), "uint8", "control"),
+              Input("kv_cache_update_idx", (B_attn, *heads, 1), "uint32", "control"),
+              Input("pos_ids", (B_attn, 1), "float32", "control"),
+              Input("pos_ids_swa", (B_attn, 1), "float32", "control"),
+              Input("rank_id", (1, 1), "uint32", "rank")):
+        ins[i.name] = i
+    if "swa" in kv.update_indices:  # paired: a pair's sliding layer writes its own blocks
+        ins["kv_cache_update_idx_swa"] = Input("kv_cache_update_idx_swa", (B_attn, *heads, 1), "uint32", "control")
     if s["k_scale"] is not None:
-        fp8 = [Input("k_scale", (1, 1), "float32", "constant", value=s["k_scale"]),
-               Input("v_scale", (1, 1), "float32", "constant", value=s["v_scale"])]
-    inputs = head + weights[:n_before] + kv_inputs(kv) + weights[n_before:] + ctl + fp8
-    outputs = [{"name": "x_shard", "shape": [T, d.Hp], "dtype": ACTIVATION}]
-    outputs += [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype, "aliases": i.name}
-                for i in inputs if i.kind == "kv_buffer"]
+        ins["k_scale"] = Input("k_scale", (1, 1), "float32", "constant", value=s["k_scale"])
+        ins["v_scale"] = Input("v_scale", (1, 1), "float32", "constant", value=s["v_scale"])
+    fused = {f["name"]: f for f in plan.fused_inputs(0)}
+    for name, f in fused.items():
+        if f["kind"] == "weight":
+            ins[name] = Input(name, tuple(f["shape"]), gk_dtype(f["dtype"]).torch, "weight", f["file"])
+    if "embed_ids" in fused:
+        ins["embed_ids"] = Input("embed_ids", (B_attn,), "int32", "control")
+    if "embed_x_shard_ids" in fused:
+        ins["embed_x_shard_ids"] = Input("embed_x_shard_ids", (T,), "int32", "rank")
     scalars = {"tp_replica_group": plan.meshes["tp_replica_group"],
                "ep_replica_group": plan.meshes["ep_replica_group"],
                "num_layers": L, "tp_size": s["tp_size"], "ep_size": s["ep_size"], "B_attn": B_attn, "S_tkg": 1,
@@ -157,6 +166,12 @@ def neuron_decode(plan, batch: int) -> Signature:
                "up_clamp_upper_limit": s["up_clamp_upper_limit"], "up_clamp_lower_limit": s["up_clamp_lower_limit"]}
     if "rope_concentration" in fused:
         scalars["rope_concentration"] = fused["rope_concentration"]["value"]
+    order = {n: k for k, n in enumerate(_decode_order())}
+    inputs = sorted(ins.values(), key=lambda i: order.get(i.name, len(order)))
+    outputs = [{"name": "x_shard", "shape": [T, d.Hp], "dtype": ACTIVATION}]
+    outputs += [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype, "aliases": i.name}
+                for i in inputs if i.kind == "kv_buffer"]
+    scalars = dict(sorted(scalars.items(), key=lambda kv_: order.get(kv_[0], len(order))))
     return Signature("decode", tuple(inputs), tuple(outputs), batch, scalars)
 
 
@@ -172,8 +187,8 @@ def neuron_tail(plan, batch: int) -> Signature:
     if r.tail.emit_logits:
         outputs.insert(0, {"name": "logits", "shape": [batch, d.V_s], "dtype": "float32"})
     scalars = {"eps": plan.scalars["eps"], "hidden_actual": plan.scalars["hidden_actual"],
-               "zero_interleaved_pad": True, "k": k, "emit_logits": r.tail.emit_logits,
-               "hop_meshes": plan.tail["hop_meshes"], "a2a_batch_groups": r.topology.a2a_batch_groups}
+               "zero_interleaved_pad": True, "k": k, "hop_meshes": plan.tail["hop_meshes"],
+               "emit_logits": r.tail.emit_logits, "a2a_batch_groups": r.topology.a2a_batch_groups}
     return Signature("tail", tuple(inputs), tuple(outputs), batch, scalars)
 
 

@@ -5,16 +5,16 @@ program each). trn2 / trn3: the neuron backend, one NEFF a program and decode ba
 (``compiled/{decode,tail}-b<B>.neff``); without the Neuron SDK that part is recorded as
 ``skipped: Neuron SDK not installed`` and a warning says so (``require_neff`` makes it an error).
 
-The stage's key is the compiler (name, version), its flags, every program's signature and kernel
-scalars, the kernels (entry points, source and revision, trace-time switches, trace mode) and the
-gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph inputs,
-so new weights of the same shapes reuse the artifacts; a new compiler or kernel recompiles.
+The stage's key is the compiler (name, version), each program's flags, signature and kernel
+scalars, each program's kernel (library and revision, entry point, switch overrides, trace mode)
+and the gkbuild version, like the Neuron persistent cache keys on HLO and flags: weights are graph
+inputs, so new weights of the same shapes reuse the artifacts; a new compiler or kernel recompiles.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import __version__
@@ -22,7 +22,7 @@ from ..errors import GkError
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, inductor, kernel_source, neff, neuron, signature
+from . import cache as compile_cache, inductor, neff, neuron, signature
 
 OUT = "compiled"
 KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
@@ -36,8 +36,7 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     if sig.scalars:
         e["scalars"] = sig.scalars
     if kernel is not None:
-        e["kernel"] = {"entry": kernel[sig.program], "source": kernel["source"], "revision": kernel["revision"],
-                       "switches": kernel["switches"], "trace": kernel["trace"]}
+        e["kernel"] = kernel
     if path and (out / path).exists():
         e["size"], e["sha256"] = (out / path).stat().st_size, sha256_file(out / path)
     if sig.program in KV_UPDATE:
@@ -48,37 +47,54 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
 @dataclass(frozen=True)
 class Backend:
     """How a recipe's programs are compiled: the backend, its artifact format and suffix, the
-    compiler and its flags, why this host cannot compile (None when it can), and for NEFFs the
-    kernel source and the kernel record."""
+    compiler, each program's flags and (NEFFs) kernel record, why this host cannot compile (None
+    when it can), and, once ``prepare``d, each program's library checkout."""
 
     name: str
     fmt: str
     suffix: str
+    target: str
     compiler: dict
-    flags: list
+    flags: dict  # program -> flags
+    kernels: dict  # program -> kernel record (None for inductor)
     unavailable: str | None
-    source: object = None
-    kernel: dict | None = None
+    roots: dict | None = None  # program -> library checkout (``prepare``)
 
-    @property
-    def expect(self) -> dict:
-        """What a cached artifact of this backend must say it is (``cache.CompileCache.restore``)."""
-        return {"format": self.fmt, "compiler": self.compiler, "flags": self.flags}
+    def expect(self, program: str) -> dict:
+        """What a cached artifact of ``program`` must say it is (``cache.CompileCache.restore``)."""
+        return {"format": self.fmt, "target": self.target, "compiler": self.compiler, "flags": self.flags[program]}
+
+    def kernel_key(self, program: str) -> dict | None:
+        rec = self.kernels[program]
+        return None if rec is None else neuron.key_of(rec)
 
 
 def backend(plan) -> Backend:
     r = plan.recipe
+    programs = ("decode", "tail")
     if r.backend == "inductor":
-        return Backend("inductor", "aoti-pt2", "pt2", inductor.compiler(),
-                       inductor.flags(r.target, r.decode.batch_sizes), inductor.available(r.target))
-    source = kernel_source.parse(r.compile.nki_library, r.path.parent if r.path else None)
-    return Backend("neuron", "neff", "neff", neuron.compiler(), neuron.flags(r), neuron.sdk(), source,
-                   neuron.kernel_record(r, source))
+        return Backend("inductor", "aoti-pt2", "pt2", r.target, inductor.compiler(),
+                       {p: inductor.flags(r.target, r.decode.batch_sizes) for p in programs},
+                       {p: None for p in programs}, inductor.available(r.target))
+    return Backend("neuron", "neff", "neff", r.target, neuron.compiler(), {p: neuron.flags(r, p) for p in programs},
+                   {p: neuron.kernel(r, p) for p in programs}, neuron.sdk())
+
+
+def prepare(plan, be: Backend) -> Backend:
+    """NEFFs: each program's library checked out and its kernel record finished from the checkout
+    (the switches the library reads, each set); inductor: as is."""
+    if be.name != "neuron" or be.roots is not None:
+        return be
+    from ..checkpoint.source import cache_root
+
+    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
+    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
 
 
 def program_keys(plan, be: Backend, sigs) -> dict[str, str]:
     """Each program's compile key (``cache.program_key``), by program name."""
-    return {s.key: compile_cache.program_key(plan, s, be.compiler, be.flags, be.kernel) for s in sigs}
+    return {s.key: compile_cache.program_key(plan, s, be.compiler, be.flags[s.program], be.kernel_key(s.program))
+            for s in sigs}
 
 
 def artifact_path(be: Backend, sig) -> str:
@@ -95,15 +111,15 @@ def compile_program(plan, sig, be: Backend, out: Path, key: str) -> Path:
     if be.name == "inductor":
         inductor.build(_program(plan, sig), sig, r.decode.batch_sizes, r.target, path, key)
     else:
-        from ..checkpoint.source import cache_root
-
-        neuron.build(plan, sig, out, be.source, cache_root())
+        be = prepare(plan, be)
+        neuron.build(plan, sig, out, be.roots[sig.program], be.kernels[sig.program])
     return path
 
 
 def artifact_entry(plan, sig, be: Backend, out: Path, path: str | None, status: str = "ok") -> dict:
     """The manifest's compile entry of one program (a NEFF's header read in)."""
-    e = _entry(sig, be.fmt, path, out, plan.recipe.target, be.compiler, be.flags, status, be.kernel)
+    e = _entry(sig, be.fmt, path, out, be.target, be.compiler, be.flags[sig.program], status,
+               be.kernels[sig.program])
     if be.name == "neuron" and path:
         e["neff"] = neff.read(out / path).to_dict()
     return e
@@ -117,14 +133,13 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
     sigs = signature.programs(plan)
     be = backend(plan)
     keys = program_keys(plan, be, sigs)
-    expect = dict(be.expect, target=r.target)
     # a host that cannot compile (no Neuron SDK) still assembles a build the compile cache holds whole
     skipped = be.unavailable
-    if skipped and cache and all(cache.holds(keys[s.key], s.key, expect) for s in sigs):
+    if skipped and cache and all(cache.holds(keys[s.key], s.key, be.expect(s.program)) for s in sigs):
         skipped = None
     k = key("compile", r.backend, r.target, be.compiler, be.flags,
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
-            plan.scalars, asdict(r.tail), be.kernel, skipped, __version__)
+            plan.scalars, asdict(r.tail), {p: be.kernel_key(p) for p in be.kernels}, skipped, __version__)
     paths = {s.key: artifact_path(be, s) for s in sigs}
     if skipped:
         status = f"skipped: {skipped}"
@@ -135,13 +150,14 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
              f"the {r.backend} stage as skipped)")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", skipped
+    be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set
     cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
     t0 = time.perf_counter()
     if not cached:
         before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
-            if not (cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect)):
+            if not (cache and cache.restore(keys[s.key], s.key, out / paths[s.key], be.expect(s.program))):
                 compile_program(plan, s, be, out, keys[s.key])
     entries = [artifact_entry(plan, s, be, out, paths[s.key]) for s in sigs]
     if cache and cache.push_enabled:

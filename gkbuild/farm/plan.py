@@ -88,7 +88,7 @@ def plan(recipe_paths: list[Path], overrides: list[str] = (), vary: list[str] = 
                 lo, hi = min(r.decode.batch_sizes), max(r.decode.batch_sizes)
                 batch = str(s.batch) if r.backend == "neuron" else (str(lo) if lo == hi else f"{lo}..{hi}")
                 jobs[k] = Job(k, s.key, batch, r.target, (label,), text, str(path), tuple(sets), config, cpus,
-                              memory, dict(be.expect, target=r.target))
+                              memory, be.expect(s.program))
     return list(jobs.values())
 
 

@@ -269,17 +269,20 @@ def _copy(guide: RoutingGuide | None) -> RoutingGuide | None:
     return None if guide is None else RoutingGuide(guide.experts, guide.gap, guide.tol)
 
 
-def embed(weight: torch.Tensor, ids: torch.Tensor, placement: str, comm) -> torch.Tensor:
-    """The fused-embedding prologue: this rank's x [T_shard, Hp] float32 from its embedding shard.
+def embed(weight: torch.Tensor, ids: torch.Tensor, placement: str, comm,
+          x_shard_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused-embedding prologue (fork F's ``gpt_oss_decode_mega_kernel``): this rank's x
+    [T_shard, Hp] float32 from its embedding shard and its DP replica's B_attn token ids.
 
-    vocab: ``weight`` [V/W, Hp], ``ids`` [B] local rows of every token of the batch (-1: another
-    rank's); the rows this rank owns, zeros elsewhere, reduce-scattered over every rank (one
-    non-zero term a token: exact). hidden: ``weight`` [V, Hp/TP], ``ids`` [B_attn] global ids of
-    this DP replica's tokens; an all-to-all over the TP group trades lanes for tokens."""
+    vocab: ``weight`` [ceil(V/TP), Hp], ``ids`` local rows (-1: another TP rank's); the rows this
+    rank owns, zeros elsewhere, reduce-scattered over the TP group (one non-zero term a token:
+    exact). hidden: ``weight`` [V, Hp/TP], ``ids`` global; the lane slices are all-gathered over
+    the TP group along the hidden axis and ``x_shard_ids`` picks this rank's token rows."""
     if placement == "vocab":
         rows = torch.where((ids >= 0)[:, None], weight[ids.clamp(min=0)].float(), 0.0)  # not 0 * row: NaN rows
-        return comm.reduce_scatter(rows, "ep")
-    return comm.all_to_all(weight[ids].float(), "tp")
+        return comm.reduce_scatter(rows, "tp")
+    full = comm.all_gather(weight[ids].float().T.contiguous(), "tp").T  # lanes concatenated in TP order
+    return full[x_shard_ids]
 
 
 def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens: list | None = None,

@@ -9,8 +9,8 @@ driver builds what a runtime passes to the kernel, per DP replica:
 - the trimmed SWA table (the window's blocks) with positions in its frame;
 - absolute positions, the two KV update indices (flat slots), YaRN cos/sin (decode.rope host);
 - the tokens: embedded here from the host-side table (decode.embedding host), or as the ids the
-  kernel's fused embedding takes (vocab: every token's local row on each rank, -1 where not owned;
-  hidden: the replica's global ids).
+  kernel's fused embedding takes (the DP replica's tokens; vocab: local to the TP rank's rows, -1
+  where another TP rank owns the id; hidden: global ids, plus the rank's rows ``embed_x_shard_ids``).
 
 Then every rank runs the decode step (collectives emulated across ranks when the world is larger
 than 1), gathers the batch for the tail, and the tail samples.
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import GkError
-from ..layout import embedding as embedding_layout, hidden as hidden_layout
+from ..layout import hidden as hidden_layout
 from ..layout.tail import owned_rows
 from ..runtime import Build
 from . import decode, rope, tail
+from .kernel_inputs import embed_ids
 from .collectives import Emulator, Single
 
 
@@ -42,7 +43,7 @@ class _Blocks:
 
     stacked: every layer has its own entry, so a sequence's sliding and full layers share its
     block ids: one list a sequence, the sliding table is the window's suffix of it.
-    per_buffer: a buffer's sliding and full layers draw DISJOINT blocks from one pool; sliding
+    paired: an entry's sliding and full layers draw DISJOINT blocks from one pool; sliding
     blocks are freed once the window has left them (vLLM's hybrid manager), so the pool is reused.
     """
 
@@ -218,12 +219,9 @@ class Session:
         placement = self.embedding["placement"]
         if placement == "host":
             return self.host["embed_tokens"][tokens[r * self.t_shard:(r + 1) * self.t_shard]].to(torch.float32)
-        if placement == "vocab":
-            ids = embedding_layout.local_ids(tokens.numpy(), r, self.embedding["rows_per_rank"])
-        else:
-            replica = r // self.tp
-            ids = tokens[replica * self.rows_attn:(replica + 1) * self.rows_attn].numpy()
-        return decode.embed(self.tensors[r]["embed_weight"], torch.from_numpy(ids).long(), placement, comm)
+        ids, rows = embed_ids(self.embedding, tokens, r, self.tp, self.dp)
+        return decode.embed(self.tensors[r]["embed_weight"], torch.from_numpy(ids).long(), placement, comm,
+                            None if rows is None else torch.from_numpy(rows).long())
 
     def _compiled(self, tokens, ctl: decode.Control, params, collect_hiddens: bool):
         """One step through the compiled decode and tail programs, arguments in signature order."""

@@ -1,20 +1,23 @@
-"""The KV cache in either form the GK decode takes: byte offsets, the DMA offset limit, budget,
-and the disaggregated-inference (DI) metadata.
+"""The KV cache in either form the published GK decode takes: byte offsets, the DMA offset limit,
+budget, and the disaggregated-inference (DI) metadata.
 
-Two forms (``kv_cache.form``):
+Two forms (``kv_cache.form``), both one ``K_cache`` and one ``V_cache`` tensor
+``[entries, num_blocks, kv, block, d]`` (packed FP8 K ``[entries, num_blocks, kv, block/2, d, 2]``):
 
-- ``stacked`` (the public nki-library ``gpt_oss_decode_mega_kernel``): one ``K_cache`` and one
-  ``V_cache`` tensor, each ``[L, num_blocks, kv, block, d]`` (packed FP8 K
-  ``[L, num_blocks, kv, block/2, d, 2]``). The kernel indexes entry ``i`` for layer ``i`` when the
-  leading axis is ``num_layers`` and entry 0 for every layer otherwise; with its KV write-back
-  on, "caches MUST be stacked per-layer". So entries = L, and full and sliding layers of one
-  sequence use the same block ids (their own entries), written through ONE update index. The
-  block's DMA offset spans the whole tensor: num_blocks is capped at 2^32 / (L * block bytes).
-- ``per_buffer`` (the GK integration of seed 000, a fork not yet public): vLLM's hybrid manager
-  puts the L layers into ceil(L/2) buffers; buffer j holds layers 2j (sliding) and 2j+1 (full),
-  each its own allocation ``[2, num_blocks, kv, block, d]`` (K half, V half) indexed base-0, so
-  the offset spans one buffer half. A buffer's two layers draw block ids from one pool, so they
-  must use disjoint blocks, written through two update indices (full, sliding).
+- ``stacked`` (aws-neuron/nki-library@e9ef98fc, and the fork F): entries = L. The kernel indexes
+  entry ``i`` for layer ``i`` when the leading axis is ``num_layers`` (entry 0 when it is 1); with
+  its KV write-back on, "caches MUST be stacked per-layer". Full and sliding layers of one sequence
+  use the same block ids (their own entries), written through ONE update index.
+- ``paired`` (F only: baonudesifeizhai/nki-library@9f2490f6, the HMA group layout): entries =
+  ceil(L/2), layer ``i`` uses entry ``i // 2``, so sliding layer 2j and full layer 2j+1 share entry
+  j. They draw block ids from one pool and must use DISJOINT blocks: sliding layers write through
+  ``kv_cache_update_idx_swa``, full layers through ``kv_cache_update_idx``.
+
+Either way a block's DMA offset spans the whole tensor: num_blocks is capped at
+2^32 / (entries * block bytes): 14,563 stacked and 29,127 paired at 120b. Seed 000's runtime
+allocates each layer pair as its own ``[2, num_blocks, kv, block, d]`` buffer (K half, V half);
+no published kernel takes such buffers, so it survives here only as a description
+(:func:`per_buffer_allocation`).
 
 Packed FP8 K views a K ``[..., block, d]`` as ``[..., block//2, d, 2]``: the last axis holds two
 consecutive tokens (0 = even, 1 = odd). V is never packed.
@@ -27,7 +30,7 @@ from dataclasses import asdict, dataclass
 from ..errors import GkError
 
 DMA_LIMIT = 1 << 32
-FORMS = ("stacked", "per_buffer")
+FORMS = ("stacked", "paired")
 # vLLM's N-1 rule for sliding-window layers under disaggregated inference (seed 000): the decode
 # node admits a prompt of length N but recomputes its last token at N-1, so both nodes operate at
 # N-1, or the window's oldest block is evicted one step early and never transferred.
@@ -42,7 +45,7 @@ def table_of(layer: int) -> str:
 
 @dataclass(frozen=True)
 class KvLayout:
-    form: str  # stacked | per_buffer
+    form: str  # stacked | paired
     num_layers: int
     num_blocks: int
     kv_heads: int  # per rank
@@ -54,15 +57,15 @@ class KvLayout:
 
     @property
     def entries(self) -> int:
-        """Leading-axis entries of the KV storage: one a layer (stacked), one a layer pair."""
-        return self.num_layers if self.form == "stacked" else -(-self.num_layers // 2)
+        """Leading-axis entries of K_cache and V_cache: one a layer (stacked), one a layer pair."""
+        return entries(self.form, self.num_layers)
 
     def entry_of(self, layer: int) -> int:
         return layer if self.form == "stacked" else layer // 2
 
     @property
     def update_indices(self) -> tuple[str, ...]:
-        """The update-index inputs: per_buffer layers of a pair write disjoint blocks."""
+        """The update-index inputs: a pair's layers write disjoint blocks (paired)."""
         return ("full",) if self.form == "stacked" else ("full", "swa")
 
     @property
@@ -83,14 +86,12 @@ class KvLayout:
 
     @property
     def allocation_shape(self) -> list[int]:
-        """One allocation: the stacked K (or V) tensor, or one per-buffer [2, nb, kv, block, d]."""
-        if self.form == "stacked":
-            return [self.entries] + self.block_shape
-        return [2] + self.block_shape
+        """One allocation: the K (or V) tensor [entries, nb, kv, block, d]."""
+        return [self.entries] + self.block_shape
 
     @property
     def allocations(self) -> int:
-        return 2 if self.form == "stacked" else self.entries
+        return 2
 
     @property
     def half_bytes(self) -> int:
@@ -103,29 +104,25 @@ class KvLayout:
 
     @property
     def dma_span_entries(self) -> int:
-        """Entries one DMA base spans: the whole stacked tensor, or one buffer half."""
-        return self.entries if self.form == "stacked" else 1
+        """Entries one DMA base spans: the whole tensor."""
+        return self.entries
 
     def max_num_blocks(self, form: str | None = None) -> int:
         """The uint32 DMA offset cap on num_blocks for a form (default: this one)."""
-        span = self.num_layers if (form or self.form) == "stacked" else 1
-        return DMA_LIMIT // (span * self.block_bytes)
+        return DMA_LIMIT // (entries(form or self.form, self.num_layers) * self.block_bytes)
 
     def k_offset(self, entry: int, block: int, head: int, token: int, channel: int) -> int:
-        """Byte offset of K element (entry, block, head, token, channel) from the K base (the
-        stacked K tensor, or the entry's buffer)."""
+        """Byte offset of K element (entry, block, head, token, channel) from the K tensor's base."""
         kv, bl, d, it = self.kv_heads, self.block_size, self.head_dim, self.itemsize
-        base = entry * self.half_bytes if self.form == "stacked" else 0
+        base = entry * self.half_bytes
         if self.packed:
             return base + ((((block * kv + head) * (bl // 2) + token // 2) * d + channel) * 2 + token % 2) * it
         return base + (((block * kv + head) * bl + token) * d + channel) * it
 
     def v_offset(self, entry: int, block: int, head: int, token: int, channel: int) -> int:
-        """Byte offset of V element from the V base (the stacked V tensor, or the entry's buffer:
-        its V half follows the K half)."""
+        """Byte offset of V element from the V tensor's base."""
         kv, bl, d, it = self.kv_heads, self.block_size, self.head_dim, self.itemsize
-        base = entry * self.half_bytes if self.form == "stacked" else self.half_bytes
-        return base + (((block * kv + head) * bl + token) * d + channel) * it
+        return entry * self.half_bytes + (((block * kv + head) * bl + token) * d + channel) * it
 
     def dma_check(self) -> dict:
         span = self.dma_span_entries * self.half_bytes
@@ -135,24 +132,23 @@ class KvLayout:
             "fits": span <= DMA_LIMIT,
             "max_num_blocks": self.max_num_blocks(),
             "max_num_blocks_stacked": self.max_num_blocks("stacked"),
-            "max_num_blocks_per_buffer": self.max_num_blocks("per_buffer"),
+            "max_num_blocks_paired": self.max_num_blocks("paired"),
         }
 
     def layers(self) -> list[dict]:
         return [{"layer": i, "entry": self.entry_of(i), "block_table": table_of(i),
-                 "update_index": "swa" if self.form == "per_buffer" and table_of(i) == "swa" else "full"}
+                 "update_index": "swa" if self.form == "paired" and table_of(i) == "swa" else "full"}
                 for i in range(self.num_layers)]
 
     def di_regions(self) -> list[dict]:
-        """NIXL registration: one region per entry's K and V, each entry once (a per-buffer
+        """NIXL registration: one region per entry of K and of V, each entry once (a paired
         entry's two layers share it); block b of a region sits at offset + b * block_len."""
         out = []
         for e in range(self.entries):
             shared = [i for i in range(self.num_layers) if self.entry_of(i) == e]
             for half, off in (("K", self.k_offset(e, 0, 0, 0, 0)), ("V", self.v_offset(e, 0, 0, 0, 0))):
-                out.append({"entry": e, "half": half, "tensor": half if self.form == "stacked" else f"buffer {e}",
-                            "offset": off, "block_len": self.block_bytes, "count": self.num_blocks,
-                            "layers": shared})
+                out.append({"entry": e, "half": half, "tensor": f"{half}_cache", "offset": off,
+                            "block_len": self.block_bytes, "count": self.num_blocks, "layers": shared})
         return out
 
     def block_pool(self) -> dict:
@@ -162,24 +158,40 @@ class KvLayout:
                     "rule": "every layer has its own entry; a sequence's sliding and full layers use the SAME "
                             "block ids (the sliding table is the window's suffix of the full table), written "
                             "through one update index"}
-        return {"pool": "one pool of num_blocks ids a rank, shared by a buffer's two layers",
-                "rule": "buffer j holds layers 2j (sliding) and 2j+1 (full): their blocks come from one pool and "
-                        "must be DISJOINT; each has its own block table and update index"}
+        return {"pool": "one pool of num_blocks ids a rank, shared by an entry's two layers",
+                "rule": "entry j holds layers 2j (sliding) and 2j+1 (full): their blocks come from one pool and "
+                        "must be DISJOINT; each has its own block table and update index (sliding layers write "
+                        "through kv_cache_update_idx_swa)"}
 
     def describe(self) -> dict:
         d = asdict(self)
         d.update(entries=self.entries, allocation_shape=self.allocation_shape, allocations=self.allocations,
-                 k_shape=([self.entries] if self.form == "stacked" else []) + self.k_block_shape,
-                 v_shape=([self.entries] if self.form == "stacked" else []) + self.block_shape,
+                 k_shape=[self.entries] + self.k_block_shape, v_shape=[self.entries] + self.block_shape,
                  block_bytes=self.block_bytes, bytes_per_rank=self.bytes_per_rank, dma=self.dma_check(),
                  layers=self.layers(), di_regions=self.di_regions(), block_pool=self.block_pool(),
                  update_indices=list(self.update_indices), swa_di_truncation=SWA_DI_TRUNCATION,
-                 offsets={"k": ("entry*num_blocks*block_bytes + " if self.form == "stacked" else "")
+                 offsets={"k": "entry*num_blocks*block_bytes + "
                           + ("((((b*kv + h)*(block/2) + t/2)*d + c)*2 + t%2)*itemsize" if self.packed
                              else "(((b*kv + h)*block + t)*d + c)*itemsize"),
-                          "v": ("entry*num_blocks*block_bytes" if self.form == "stacked"
-                                else "num_blocks*block_bytes") + " + (((b*kv + h)*block + t)*d + c)*itemsize"})
+                          "v": "entry*num_blocks*block_bytes + (((b*kv + h)*block + t)*d + c)*itemsize"})
+        if self.form == "paired":
+            d["per_buffer_allocation"] = per_buffer_allocation(self)
         return d
+
+
+def entries(form: str, num_layers: int) -> int:
+    """K_cache / V_cache leading entries of a form: L (stacked), ceil(L/2) (paired)."""
+    return num_layers if form == "stacked" else -(-num_layers // 2)
+
+
+def per_buffer_allocation(kv: KvLayout) -> dict:
+    """Seed 000's runtime view of the paired form: the same layer pairs, each its own buffer. A
+    description for runtimes and DI peers that allocate that way; no published kernel takes it."""
+    return {"buffers": kv.entries, "buffer_shape": [2] + kv.block_shape,
+            "note": "seed 000 allocates layer pair j (layers 2j, 2j+1) as one [2, num_blocks, kv, block, d] buffer "
+                    "(K half, V half); the published paired kernel takes entry j of K_cache and of V_cache "
+                    "instead: same block ids and pool rule, different addresses, so such a runtime copies or "
+                    "registers per entry, not per buffer"}
 
 
 def budget_blocks(layout_per_block_bytes: int, usable_bytes: int, weight_bytes: int, reserve_bytes: int,

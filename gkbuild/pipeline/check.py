@@ -38,6 +38,23 @@ def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
     return out
 
 
+def program_summary(a: dict, lnc: int) -> dict:
+    """One compiled program as ``inspect`` shows it: its kernel (library@commit, entry), the
+    switches it was traced with, batch size, LNC, argument counts, NEFF header version."""
+    k = a.get("kernel") or {}
+    src = k.get("source") or {}
+    neff = a.get("neff") or {}
+    switches = {n: s["value"] for n, s in (k.get("switches") or {}).items()}
+    asked = {n: s["value"] for n, s in (k.get("switches") or {}).items() if s.get("origin") == "recipe"}
+    return {"name": a["name"], "program": a["program"], "batch_size": a["batch_size"], "format": a["format"],
+            "status": a["status"], "lnc": neff.get("lnc_size", lnc),
+            "library": (f"{src['url']}@{src['commit']}" if src.get("commit") else src.get("spec")) if src else None,
+            "revision": k.get("revision"), "entry": k.get("entry"), "trace": k.get("trace"), "switches": switches,
+            "switches_from_recipe": asked if k.get("switches") else k.get("switch_overrides") or {},
+            "inputs": len(a["inputs"]), "outputs": len(a["outputs"]),
+            "neff_version": f"{neff['neff_version_major']}.{neff['neff_version_minor']}" if neff else None}
+
+
 def summary(build_dir: Path) -> dict:
     m = mf.load(build_dir)
     state = State(build_dir)
@@ -62,5 +79,6 @@ def summary(build_dir: Path) -> dict:
         "host_files": [{**h, "bytes": sizes.get(h["file"])} for h in m["host_files"]],
         "source": {k: v for k, v in m["source"].items() if k != "files"},
         "compile": {"status": m["compile"]["status"], "artifacts": len(m["compile"]["artifacts"])},
+        "programs": [program_summary(a, m["topology"]["lnc"]) for a in m["compile"]["artifacts"]],
         "stages": [{"name": n, "cached": state.stages.get(n) == k} for n, k in recorded.items()],
     }

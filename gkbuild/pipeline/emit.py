@@ -34,8 +34,7 @@ class Context:
     dims: Dims
     experts: str
     v_scale: float
-    embedding: str = "host"  # decode.embedding: host | vocab | hidden
-    world: int = 1
+    embedding: str = "host"  # decode.embedding: host | vocab | hidden (the latter two split over TP)
     rope: dict | None = None  # the model's YaRN parameters when decode.rope is fused (writes inv_freq)
 
 
@@ -129,7 +128,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
     d = ctx.dims
     lo, hi = 0, d.V
     if ctx.embedding == "vocab":
-        rows = embedding.vocab_rows(d.V, ctx.world)
+        rows = embedding.vocab_rows(d.V, d.tp)
         lo, hi = min(index * rows, d.V), min((index + 1) * rows, d.V)
     step = max(1, EMBED_CHUNK_BYTES // (d.Hp * 2))
 

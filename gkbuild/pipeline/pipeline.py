@@ -127,8 +127,7 @@ def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
               "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
               "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp},
               "embed": {"placement": r.decode.embedding,
-                        **{"host": {}, "vocab": {"world": r.topology.world}, "hidden": {"tp": r.topology.tp}}[
-                            r.decode.embedding]}}[f.role]
+                        **({} if r.decode.embedding == "host" else {"tp": r.topology.tp})}}[f.role]
     specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
     return key("shard", f.role, f.index, params, specs, source_fp, LAYOUT_VERSION, __version__)
 
@@ -244,7 +243,7 @@ class _Build:
                 # A first build with unhashed sources hashes them alongside the emission.
                 runner = runner or _Runner(self.jobs, self.progress)
                 ctx = Context(str(self.root), str(self.out), self.plan_.dims, self.recipe.experts,
-                              _v_scale(self.recipe), self.recipe.decode.embedding, self.recipe.topology.world,
+                              _v_scale(self.recipe), self.recipe.decode.embedding,
                               self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
                 self.progress.task("shards", "emit shards", sum(f.nbytes for f in todo))
                 calls = (self._hash_calls(unknown) if unknown else []) + [

@@ -1,6 +1,6 @@
 """What a runtime hands the Neuron decode program, built from a real build and a real step of the
-driver, fits the manifest's per-rank signature and passes the published kernel's own assertions
-(the stand-in written from its source)."""
+driver (``kernel_inputs.decode_given``), fits the manifest's per-rank signature and passes the
+published kernel's own assertions (the stand-in of the revision the build targets)."""
 
 import importlib.util
 import sys
@@ -9,33 +9,41 @@ import pytest
 import torch
 
 from gkbuild import recipe
+from gkbuild.compile import interface, switches
 from gkbuild.errors import GkError
 from gkbuild.kernels import kernel_inputs
 from gkbuild.kernels.driver import Session
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.runtime import Build
-from tests.compile.test_neuron_backend import PER_BUFFER, STANDINS
+from tests.compile.conftest import FAKE_SDK, LIB_A, LIB_F, STANDINS
 from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.slow
+DECODE = "src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py"
 
 
-def _standin(root, name):
-    """The stand-in decode kernel under a module name of its own (both forms share a path)."""
-    sys.path.insert(0, str(STANDINS))  # its _checks
-    path = root / "nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.gpt_oss_decode_mega_kernel
+def _standin(lib, monkeypatch):
+    """The library's stand-in decode kernel, imported as a build host imports it."""
+    for p in (str(FAKE_SDK), str(STANDINS), str(lib / "src" / "nkilib_src")):
+        monkeypatch.syspath_prepend(p)
+    for m in [m for m in sys.modules if m.startswith(("nkilib", "standin", "_checks", "_decode"))]:
+        monkeypatch.delitem(sys.modules, m)
+    module = importlib.import_module("nkilib.models.gpt_oss.c128_giga_kernel.experimental.gpt_oss."
+                                     "gpt_oss_decode_layer_dp_tp_ep")
+    return module.gpt_oss_decode_mega_kernel
 
 
-@pytest.fixture(scope="module", params=["stacked", "per_buffer"])
+FORMS = {"stacked-host": ([], LIB_A),
+         "paired-vocab-fused": (["kv_cache.form=paired", "decode.embedding=vocab", "decode.rope=fused"], LIB_F),
+         "stacked-hidden": (["decode.embedding=hidden"], LIB_F)}
+
+
+@pytest.fixture(scope="module", params=list(FORMS))
 def session(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("ki") / request.param
     # one DP replica of the production TP8 (8 ranks, 8 experts each): the same per-rank shapes
-    sets = [f"kv_cache.form={request.param}", "topology={tp: 8, dp: 1, ep: 8, lnc: 1, vtp: 8, hops: [8]}",
-            "decode.batch_sizes=[8]"]
+    sets = FORMS[request.param][0] + ["topology={tp: 8, dp: 1, ep: 8, lnc: 1, vtp: 8, hops: [8]}",
+                                      "decode.batch_sizes=[8]"]
     compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets), out=out,
                   quiet=True)  # no Neuron SDK here: the NEFFs are skipped, their signatures recorded
     b = Build.open(out)
@@ -50,11 +58,8 @@ def session(request, tmp_path_factory):
 def _inputs(b, s, tokens, rank):
     m = b.manifest
     art = next(a for a in m["compile"]["artifacts"] if a["name"] == "decode-b8")
-    tp = m["topology"]["tp"]
-    x = s.host["embed_tokens"][tokens[rank:rank + 1]].to(torch.bfloat16)  # decode.embedding: host
-    given = {"x_shard": x, **s.tensors[rank], **s.kv[rank].arguments(),
-             **kernel_inputs.decode_controls(s.controls[rank // tp], s.block, 1,
-                                             m["model"]["num_attention_heads"] // tp, rank)}
+    given = kernel_inputs.decode_given(m, rank, tokens, s.controls[rank // m["topology"]["tp"]], s.tensors[rank],
+                                       s.kv[rank].arguments(), s.host.get("embed_tokens"))
     return art, given
 
 
@@ -67,12 +72,22 @@ def test_runtime_inputs_fit_the_signature_and_the_published_kernel(session, monk
     ctl = s.controls[0]
     used = int(ctl.pos[0]) // 4 + 1  # position 8: three of the 16 full-table slots live
     assert (named["active_blocks_table"][:, :used] >= 0).all() and (named["active_blocks_table"][:, used:] == -1).all()
-    key = "kv_cache_update_idx" if form == "stacked" else "kv_cache_update_idx_swa"
+    key = "kv_cache_update_idx_swa" if form.startswith("paired") else "kv_cache_update_idx"
     assert named[key].dtype == torch.uint32 and named["pos_ids"][0, 0].item() == 8.0
-    monkeypatch.setenv("VLLM_NEURON_MEGA_KV_UPDATE", "1")
-    kernel = _standin(STANDINS if form == "stacked" else PER_BUFFER, f"standin_{form}")
-    out = kernel(**named, **art["scalars"])
-    assert tuple(out[0].shape) == (1, 512)
+    if "vocab" in form:  # TP rank 5 owns rows [5*256, 6*256) of the vocabulary
+        want = torch.where((tokens >= 1280) & (tokens < 1536), tokens - 1280, -1).to(torch.int32)
+        assert torch.equal(named["embed_ids"], want)
+    if "hidden" in form:
+        assert torch.equal(named["embed_ids"], tokens.to(torch.int32)) and named["embed_x_shard_ids"].tolist() == [5]
+    reads, off = interface.scan_switches(FORMS[form][1])  # the switches as a build host sets them
+    for n, v in switches.environment(switches.settings(reads, off, {}, "test")).items():
+        monkeypatch.setenv(n, v)
+    kernel = _standin(FORMS[form][1], monkeypatch)
+    from nki.collectives import ReplicaGroup
+
+    scalars = {k: ReplicaGroup(v) if k.endswith("replica_group") else v for k, v in art["scalars"].items()}
+    out = kernel(**named, **scalars)
+    assert tuple(out[0].shape) == (1, 512) and len(out) == 3  # x, and the K/V it wrote (write-back on)
 
 
 def test_a_misfit_is_named_in_one_line(session):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gkbuild.checkpoint import mxfp4
-from gkbuild.kernels import decode, mx, rope
+from gkbuild.kernels import decode, kernel_inputs, mx, rope
 from gkbuild.kernels.collectives import Emulator
 from gkbuild.layout import embedding, experts_mx, hidden, topology
 from gkbuild.layout.dims import Dims
@@ -49,8 +49,10 @@ def test_yarn_tables_match_transformers(name):
 
 @pytest.mark.parametrize("placement", ["vocab", "hidden"])
 def test_fused_embedding_gives_the_host_rows_exactly(placement):
-    """The prologue's gather and collectives over an emulated TP4 x DP2 world give every rank the
-    rows a runtime would gather from the whole table, bit for bit."""
+    """The prologue's gather and collectives over an emulated TP4 x DP2 world, fed what the runtime
+    hands the kernel (``kernel_inputs.embed_ids``: the DP replica's tokens, TP-local ids for vocab,
+    the rank's rows for hidden), give every rank the rows a runtime would gather from the whole
+    table, bit for bit."""
     tp, dp, V = 4, 2, 1003
     world = tp * dp
     d = Dims.of(dataclasses.replace(preset("tiny"), vocab_size=V), tp=tp)
@@ -58,17 +60,15 @@ def test_fused_embedding_gives_the_host_rows_exactly(placement):
     table = embedding.table(d, w.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     tokens = torch.tensor([0, 5, 1002, 77, 77, 500, 251, 1001, 3, 999, 250, 126, 127, 128, 4, 6])  # B = 16
     B, t_shard, b_attn = len(tokens), len(tokens) // world, len(tokens) // dp
-    R = embedding.vocab_rows(V, world)
+    spec = {"placement": placement, "rows_per_rank": embedding.vocab_rows(V, tp)}
 
     def rank_fn(r, comm):
-        if placement == "vocab":
-            weight = embedding.vocab_shard(table, r, world)
-            ids = embedding.local_ids(tokens.numpy(), r, R)
-        else:
-            weight = embedding.hidden_shard(table, r % tp, tp)
-            ids = tokens[(r // tp) * b_attn:(r // tp + 1) * b_attn].numpy()
-        weight = torch.from_numpy(weight.view(np.int16)).view(torch.bfloat16)
-        return decode.embed(weight, torch.from_numpy(ids).long(), placement, comm)
+        shard = (embedding.vocab_shard if placement == "vocab" else embedding.hidden_shard)(table, r % tp, tp)
+        ids, rows = kernel_inputs.embed_ids(spec, tokens, r, tp, dp)
+        assert ids.dtype == np.int32 and ids.shape == (b_attn,)
+        weight = torch.from_numpy(shard.view(np.int16)).view(torch.bfloat16)
+        return decode.embed(weight, torch.from_numpy(ids).long(), placement, comm,
+                            None if rows is None else torch.from_numpy(rows).long())
 
     em = Emulator({"tp": topology.tp_mesh(tp, dp), "ep": topology.ep_mesh(world)})
     got = em.run(rank_fn)

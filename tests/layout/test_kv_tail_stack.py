@@ -8,33 +8,40 @@ from gkbuild.layout.dims import Dims
 from gkbuild.model import preset
 
 
-def _layout(packed=True, nb=5, kvh=2, block=4, d=3, item=1, L=36, form="per_buffer"):
+def _layout(packed=True, nb=5, kvh=2, block=4, d=3, item=1, L=36, form="paired"):
     return kv.KvLayout(form=form, num_layers=L, num_blocks=nb, kv_heads=kvh, block_size=block, head_dim=d,
                        dtype="fp8_e4m3", itemsize=item, packed=packed)
 
 
 def test_120b_kv_numbers_in_both_forms():
-    pb = _layout(nb=36175, kvh=1, block=128, d=64, L=36)
-    assert pb.entries == 18 and pb.bytes_per_rank == 10_668_441_600
-    assert pb.k_block_shape == [36175, 1, 64, 64, 2] and pb.allocation_shape == [2, 36175, 1, 128, 64]
+    pb = _layout(nb=29127, kvh=1, block=128, d=64, L=36)  # paired: an entry a layer pair
+    assert pb.entries == 18 and pb.bytes_per_rank == 18 * 2 * 29127 * 8192
+    assert pb.k_block_shape == [29127, 1, 64, 64, 2] and pb.allocation_shape == [18, 29127, 1, 128, 64]
+    assert pb.allocations == 2 and pb.update_indices == ("full", "swa")
     dma = pb.dma_check()
-    assert dma["fits"] and dma["max_num_blocks"] == 524288 and dma["max_num_blocks_stacked"] == 2**32 // (36 * 8192)
+    assert dma["fits"] and dma["max_num_blocks"] == 29127 == 2**32 // (18 * 8192)
+    assert dma["max_num_blocks_stacked"] == 2**32 // (36 * 8192) and dma["max_num_blocks_paired"] == 29127
+    assert not _layout(nb=29128, kvh=1, block=128, d=64, L=36).dma_check()["fits"]
     regions = pb.di_regions()
     assert len(regions) == 36 and regions[0]["block_len"] == 8192 and regions[0]["layers"] == [0, 1]
-    assert regions[1]["offset"] == 36175 * 8192 and regions[1]["half"] == "V"
+    assert regions[1] == {"entry": 0, "half": "V", "tensor": "V_cache", "offset": 0, "block_len": 8192,
+                          "count": 29127, "layers": [0, 1]}
+    assert regions[2]["offset"] == 29127 * 8192 and regions[2]["tensor"] == "K_cache"
     assert [x["entry"] for x in pb.layers()][:4] == [0, 0, 1, 1]
     assert [(x["block_table"], x["update_index"]) for x in pb.layers()][:2] == [("swa", "swa"), ("full", "full")]
+    seed = pb.describe()["per_buffer_allocation"]  # seed 000's runtime view: described, never an argument
+    assert seed["buffers"] == 18 and seed["buffer_shape"] == [2, 29127, 1, 128, 64]
     st = _layout(nb=14563, kvh=1, block=128, d=64, L=36, form="stacked")
     assert st.entries == 36 and st.allocation_shape == [36, 14563, 1, 128, 64] and st.allocations == 2
     assert st.max_num_blocks() == 14563 and st.dma_check()["fits"]  # 2^32 / (36 x 8192)
     assert not _layout(nb=14564, kvh=1, block=128, d=64, L=36, form="stacked").dma_check()["fits"]
     assert [x["entry"] for x in st.layers()][:3] == [0, 1, 2] and st.update_indices == ("full",)
     regions = st.di_regions()
-    assert len(regions) == 72 and regions[2] == {"entry": 1, "half": "K", "tensor": "K", "offset": 14563 * 8192,
+    assert len(regions) == 72 and regions[2] == {"entry": 1, "half": "K", "tensor": "K_cache", "offset": 14563 * 8192,
                                                  "block_len": 8192, "count": 14563, "layers": [1]}
 
 
-@pytest.mark.parametrize("form", ["stacked", "per_buffer"])
+@pytest.mark.parametrize("form", ["stacked", "paired"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_offsets_match_the_real_buffer_bytes(packed, form):
     """k_offset / v_offset name the byte write_k and a V store touch, in either form's allocation."""
@@ -43,14 +50,9 @@ def test_offsets_match_the_real_buffer_bytes(packed, form):
     for _ in range(30):
         e, b, t = rng.integers(lay.entries), rng.integers(lay.num_blocks), rng.integers(lay.block_size)
         vec = rng.integers(1, 255, (lay.kv_heads, lay.head_dim), dtype=np.uint8)
-        if form == "stacked":
-            k_alloc, v_alloc = np.zeros(lay.allocation_shape, np.uint8), np.zeros(lay.allocation_shape, np.uint8)
-            k_entry = k_alloc.reshape([lay.entries] + lay.k_block_shape)[e] if packed else k_alloc[e]
-            v_entry = v_alloc[e]
-        else:
-            k_alloc = v_alloc = np.zeros(lay.allocation_shape, np.uint8)
-            k_entry = k_alloc[0].reshape(lay.k_block_shape) if packed else k_alloc[0]
-            v_entry = v_alloc[1]
+        k_alloc, v_alloc = np.zeros(lay.allocation_shape, np.uint8), np.zeros(lay.allocation_shape, np.uint8)
+        k_entry = k_alloc.reshape([lay.entries] + lay.k_block_shape)[e] if packed else k_alloc[e]
+        v_entry = v_alloc[e]
         kv.write_k(k_entry, b, t, vec, packed)
         flat = k_alloc.reshape(-1)
         for h in range(lay.kv_heads):

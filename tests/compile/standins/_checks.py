@@ -1,11 +1,10 @@
-"""The assertions the published decode kernel makes, shared by the two decode stand-ins.
+"""The assertions the published decode kernel makes on one layer's view, shared by the decode
+stand-ins of every revision (``attention_block_tkg._validate_and_extract_config``,
+``attention_tkg._setup_block_kv_cache`` and the MoE block's ``rank_id``, as aws-neuron/nki-library
+@e9ef98fc has them; F calls the same blocks).
 
 ``kernel_assert`` raises AssertionError with the source's message, as the NKI tracer does.
-Shapes follow the sources: the mega kernel indexes each stacked tensor ``W[i]`` when its leading
-dim is ``num_layers`` and ``W[0]`` otherwise; ``attention_block_tkg`` validates one layer's view.
 """
-
-import os
 
 import torch
 
@@ -25,10 +24,6 @@ def dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def layer(t, i, num_layers):
-    return t[i] if t.shape[0] == num_layers else t[0]
-
-
 def check_layer(X_shard, tp_size, ep_size, B_attn, S_tkg, i, num_layers, w, K, V, table, mask, upd, pos, swa_start,
                 cos, sin, rank_id, k_scale, v_scale, hidden_actual, packed):
     """One layer's attention_block_tkg + moe_block checks (block KV, pos_ids given)."""
@@ -36,7 +31,7 @@ def check_layer(X_shard, tp_size, ep_size, B_attn, S_tkg, i, num_layers, w, K, V
     kernel_assert(T_shard * tp_size == B_attn * S_tkg, f"AllGather[TP] of {T_shard} x {tp_size} rows does not reshape "
                                                        f"to B_attn={B_attn} x S_tkg={S_tkg}")
     B = B_attn
-    gamma, W_qkv = layer(w["input_layernorm_weight"], i, num_layers), layer(w["W_qkv"], i, num_layers)
+    gamma, W_qkv = w["input_layernorm_weight"], w["W_qkv"]
     kernel_assert(tuple(gamma.shape) == (1, H), f"rmsnorm_X_gamma must be (1, {H}), got {tuple(gamma.shape)}")
     d_head = V.shape[-1]
     I = W_qkv.shape[1]
@@ -93,13 +88,9 @@ def check_layer(X_shard, tp_size, ep_size, B_attn, S_tkg, i, num_layers, w, K, V
     kernel_assert(0 < hidden_actual <= H, f"hidden_actual {hidden_actual} must be in (0, {H}]")
     kernel_assert(tuple(rank_id.shape) == (1, 1) and dtype_name(rank_id) == "uint32",
                   f"rank_id must be [1, 1] uint32, got {tuple(rank_id.shape)} {dtype_name(rank_id)}")
-    gu = layer(w["expert_gate_up_weights"], i, num_layers)
+    gu = w["expert_gate_up_weights"]
     kernel_assert(gu.shape[-2] == H // 512, f"expert gate_up H/512 tiles {gu.shape[-2]} != {H // 512}")
     return q_heads
-
-
-def kv_update_on() -> bool:
-    return bool(os.environ.get("VLLM_NEURON_MEGA_KV_UPDATE"))
 
 
 def out_like(x):

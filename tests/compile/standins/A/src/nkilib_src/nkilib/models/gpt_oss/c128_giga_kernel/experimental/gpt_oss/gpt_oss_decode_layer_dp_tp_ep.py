@@ -1,0 +1,13 @@
+"""Stand-in for aws-neuron/nki-library@e9ef98fc's ``gpt_oss_decode_mega_kernel``: its published
+parameter list (from gkbuild's committed interface) and the body of ``_decode`` as A behaves: K/V
+entry i or 0, no paired form, the KV write-back read as ``bool(os.environ.get(...))``."""
+
+from _decode import make
+from standin import kernel
+
+from . import _switches
+
+REVISION = "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
+
+gpt_oss_decode_mega_kernel = kernel(REVISION, "gpt_oss_decode_mega_kernel",
+                                    make(paired=False, kv_update=lambda: _switches.read()["VLLM_NEURON_MEGA_KV_UPDATE"]))

@@ -1,0 +1,16 @@
+"""Stand-in for baonudesifeizhai/nki-library@9f2490f6's ``gpt_oss_decode_mega_kernel``: its published
+parameter list (from gkbuild's committed interface) and the body of ``_decode`` as F behaves: K/V
+entry i, 0 or i // 2, the optional forms, the switches read default-on (``mega_flag_default_on``),
+and its MoE module's scale layout (``gate_up_projection_mx``)."""
+
+from _decode import make
+from standin import kernel
+
+from ...core.moe.moe_tkg.gate_up_projection_mx import check_weights
+from . import _switches
+
+REVISION = "baonudesifeizhai/nki-library@9f2490f68c3ff0c222458095e169b83778fe59e5"
+
+gpt_oss_decode_mega_kernel = kernel(REVISION, "gpt_oss_decode_mega_kernel",
+                                    make(paired=True, kv_update=lambda: _switches.read()["VLLM_NEURON_MEGA_KV_UPDATE"],
+                                         weights_check=check_weights))
