@@ -18,9 +18,11 @@ ray-project/ray@b7f4259e944bf6959f721b106adc366ddfa0c356, its ``python/ray/`` fi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import sys
 
 from ..errors import GkError
 from . import job as jobs_mod
@@ -47,6 +49,13 @@ def run(jobs: list[Job], cache_uri: str, address: str | None, retries: int, on_d
         import ray
     except ImportError:
         raise GkError("--executor ray: Ray is not installed; pip install 'gkbuild[farm]'") from None
+    # Ray's driver prints the cluster's error reports ("(raylet) A worker died...") with print():
+    # they go to stderr, so stdout stays the report (--json).
+    with contextlib.redirect_stdout(sys.stderr):
+        _run(ray, jobs, cache_uri, address, retries, on_done)
+
+
+def _run(ray, jobs: list[Job], cache_uri: str, address: str | None, retries: int, on_done) -> None:
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:

@@ -60,11 +60,14 @@ def _farm(*args, **kw) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def farmed(cluster, recipes, s3_server):
-    """One farm over both recipes x both batch sizes into an empty S3 cache, through the cluster's
-    client address; the worker running the first decode job is killed with SIGKILL 3 s into it."""
+    """One farm over both recipes x both batch sizes into an empty S3 cache, connected to the
+    cluster by its address (RAY_ADDRESS: the Ray Client's ray:// server failed to initialise its
+    per-driver process under this machine's load once, so the tests use the direct address); the
+    worker running the first decode job is killed with SIGKILL 3 s into it."""
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="gk-farm")
     uri = "s3://gk-farm/cache"
-    p = _farm(*recipes, "--vary", VARY, "--cache", uri, "--executor", cluster["client"], "--retries", "2")
+    p = _farm(*recipes, "--vary", VARY, "--cache", uri, "--executor", "ray", "--retries", "2",
+              env=dict(os.environ, RAY_ADDRESS=cluster["gcs"]))
     killed, deadline = None, time.monotonic() + 600
     while killed is None and p.poll() is None and time.monotonic() < deadline:
         for w in running_tasks("gkbuild-farm decode"):
