@@ -265,9 +265,12 @@ def _prompt_ids(text: str | None) -> list[list[int]] | None:
 @click.argument("checkpoint")
 @click.option("--out", "out_file", required=True, type=click.Path(path_type=Path), help="Golden file to write.")
 @click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6' (same length).")
-@click.option("--prompts", "n_prompts", default=4, show_default=True, help="Random prompts, when no --prompt-ids.")
-@click.option("--prompt-len", default=4, show_default=True, help="Length of the random prompts.")
-@click.option("--steps", default=16, show_default=True, help="Greedy continuation steps after each prompt.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=4, show_default=True,
+              help="Random prompts, when no --prompt-ids.")
+@click.option("--prompt-len", type=click.IntRange(1, 1 << 16), default=4, show_default=True,
+              help="Length of the random prompts.")
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
+              help="Greedy continuation steps after each prompt.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--kv", "kv_dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp32"]), default="bf16",
               show_default=True, help="The KV cache the reference emulates: the build's kv dtype (trn2 FP8 is "
@@ -291,7 +294,10 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
-    prompts = _prompt_ids(prompt_ids) or default_prompts(model_config(spec).V, n_prompts, prompt_len, seed)
+    vocab = model_config(spec).V
+    prompts = _prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed)
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
     g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
@@ -301,8 +307,10 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("--golden", "golden_file", type=click.Path(path_type=Path), default=None,
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
-@click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
-@click.option("--prompts", "n_prompts", type=int, default=None, help="Sequences (no --golden; default min(4, batch)).")
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
+              help="Decode steps after the prompt (no --golden).")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=None,
+              help="Sequences (no --golden; default min(4, batch)).")
 @click.option("--engine", type=click.Choice(["twin", "compiled", "neuron"]), default="twin", show_default=True,
               help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda); "
                    "neuron: the build's NEFFs on this Trainium host's NeuronCores, every rank (needs the Neuron SDK).")
@@ -372,11 +380,15 @@ def _print_verify(rep) -> None:
 @click.option("--level", type=click.IntRange(1, 19), default=ZSTD_LEVEL, show_default=True,
               help="zstd level for files that compress (decided per file from a sample).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files stored in parallel (default: cores).")
-@click.option("--prune", is_flag=True, help="Folder stores: delete blobs the new index no longer references "
-              "(a fetch of the previous build running at the same time would then fail).")
+@click.option("--prune", is_flag=True, help="Folder and s3:// stores: delete blobs the new index no longer references "
+              "(a fetch of the previous build running at the same time would then fail; skipped while another "
+              "publish holds a lease on the store).")
+@click.option("--sign", "sign", metavar="KEY|sigstore", default=None,
+              help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or "
+                   "'sigstore' for keyless signing with the CI's OIDC identity (needs gkbuild[sign]).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
+def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     """Publish BUILD to DEST: every file hashed against the manifest as it is stored, compressed
     with zstd where that pays, content the store already holds skipped, then the publish index
     written in one step (one commit on the hub), so nobody sees half a build.
@@ -388,7 +400,7 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
     """
     from .publish.publish import publish as run
 
-    rep = run(build_dir, dest, level=level, jobs=jobs, prune=prune, quiet=quiet or as_json)
+    rep = run(build_dir, dest, level=level, jobs=jobs, prune=prune, quiet=quiet or as_json, sign=sign)
     if as_json:
         click.echo(json.dumps(rep, indent=1))
         return
@@ -400,6 +412,16 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
             f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
             f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
     note(f"{what}; build {rep['build_id'][:16]}", quiet)
+
+
+def _trust_options(f):
+    f = click.option("--trust-issuer", default=None, metavar="URL",
+                     help="The OIDC issuer of keyless --trust identities (default: GitHub Actions', "
+                          "https://token.actions.githubusercontent.com).")(f)
+    return click.option("--trust", "trust", multiple=True, metavar="KEY.pub|IDENTITY",
+                        help="Refuse the build unless one of these signed it (repeatable: key rotation): a public "
+                             "key's PEM file, or a keyless identity such as https://github.com/ORG/REPO/.github/"
+                             "workflows/build-artifacts.yml@refs/tags/build-1 (needs gkbuild[sign]).")(f)
 
 
 def _print_store_table(entries: list[dict], title: str) -> None:
@@ -422,9 +444,10 @@ def _print_store_table(entries: list[dict], title: str) -> None:
 @click.option("--expect", metavar="BUILD_ID", default=None,
               help="Refuse unless the store holds this build (its id, or a prefix of at least 12 hex digits).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files fetched in parallel.")
+@_trust_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fetch(src, dest, expect, jobs, quiet, as_json):
+def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
     """Fetch the build published at SRC (a folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) into DIR.
 
     Every file is decompressed as it streams in and moved into place only once its sha256 matches
@@ -434,7 +457,10 @@ def fetch(src, dest, expect, jobs, quiet, as_json):
     from .publish.fetch import fetch as run
     from .summary import human_bytes
 
-    rep = run(src, dest, expect=expect, jobs=jobs, quiet=quiet or as_json)
+    from .publish.signing import trust_list
+
+    rep = run(src, dest, expect=expect, jobs=jobs, quiet=quiet or as_json,
+              trust=trust_list(trust, trust_issuer) if trust else None)
     if as_json:
         click.echo(json.dumps(rep, indent=1))
     elif rep["already"]:
@@ -442,7 +468,40 @@ def fetch(src, dest, expect, jobs, quiet, as_json):
     else:
         note(f"fetched build {rep['build_id'][:16]} into {dest}: {rep['fetched_files']} files "
              f"({human_bytes(rep['fetched_bytes'])}, {human_bytes(rep['stored_bytes'])} transferred), "
-             f"{rep['reused_files']} already verified; every file matches the manifest", quiet)
+             f"{rep['reused_files']} already verified; every file matches the manifest"
+             + (f"; signed by {rep['signed_by']}" if rep["signed_by"] else ""), quiet)
+
+
+@cli.command("verify-signature")
+@click.argument("ref", metavar="BUILD|SRC")
+@_trust_options
+@click.option("--json", "as_json", is_flag=True, help="Print what the signature and provenance say as JSON.")
+def verify_signature(ref, trust, trust_issuer, as_json):
+    """Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
+    one of the --trust keys or identities, without fetching any file: the signature must cover
+    exactly its manifest and provenance. Prints who signed it and what the provenance says."""
+    from .pipeline import manifest as mf
+    from .publish import signing
+    from .publish.fetch import read_manifest, read_signed
+    from .publish.stores import open_store
+
+    if not trust:
+        raise GkError("verify-signature: give at least one --trust KEY.pub or identity")
+    trusted = signing.trust_list(trust, trust_issuer)
+    if "://" not in ref and (Path(ref) / mf.NAME).exists():
+        man_bytes = mf.read_bytes(Path(ref))
+        m, signed = mf.parse(man_bytes, f"{ref}/{mf.NAME}"), signing.read_folder(Path(ref))
+    else:
+        store = open_store(ref)
+        idx, m, man_bytes = read_manifest(store)
+        signed = read_signed(store, idx)
+    v = signing.verify(man_bytes, signed, trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
+    d = signing.describe(v)
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+        return
+    note(f"ok: build {m['name']} {m['build_id'][:16]} is signed by {d['signed_by']}; built by {d['builder']} "
+         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]})", False)
 
 
 @cli.command()
@@ -658,6 +717,9 @@ def recipe_doc(as_json):
 
 
 def main(argv=None) -> None:
+    for stream in (sys.stdout, sys.stderr):  # names from files are data: a lone surrogate prints escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
     except GkError as e:

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from . import jsonio
 from .errors import GkError
 from .reference import KvFormat
 
 FORMAT = "gkbuild-golden-2"
 TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap")
+MAX_GOLDEN = 8 << 30  # 4 prompts x 64 positions of the 120b model are ~0.3 GB
 
 
 def checkpoint_hash(files: list[dict]) -> str:
@@ -73,7 +75,13 @@ class Golden:
 
         from .checkpoint.safetensors_io import read_header
 
-        read_header(Path(path))  # one clear line for a damaged file
+        h = read_header(Path(path))  # one clear line for a damaged file
+        declared = sum(t.nbytes for t in h.tensors.values())
+        if declared > MAX_GOLDEN:  # sized from the header, before a byte is read
+            raise GkError(f"{path}: declares {declared} bytes of tensors; a golden is never over {MAX_GOLDEN}")
+        ints = [k for k in ("token_ids", "routing") if k in h.tensors and h.tensors[k].dtype.name not in ("i64", "i32")]
+        if ints:
+            raise GkError(f"{path}: golden tensor {ints[0]} is {h.tensors[ints[0]].dtype.name}, not integer ids")
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") == "gkbuild-golden-1":
@@ -86,7 +94,7 @@ class Golden:
                 raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
             t = {k: f.get_tensor(k) for k in TENSORS}
         try:
-            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=json.loads(meta["meta"]))
+            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
             g.kv  # noqa: B018 - validates the recorded KV format
         except (KeyError, ValueError, TypeError) as e:
             raise GkError(f"{path}: golden metadata is damaged ({e})") from None

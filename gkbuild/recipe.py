@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from .errors import GkError, shown
+from .jsonio import MAX_DEPTH
 from .layout.tail import batch_groups_refusal
 from .layout.dims import MX_TILE, pad_to
 from .layout.kv import FORMS as KV_FORMS
@@ -83,8 +84,8 @@ class KVCache:
     device_reserve_gib: float = _f(DEFAULT_DEVICE_RESERVE_GIB, "device memory per rank held back for the compiled "
                                    "programs and their scratch, GiB: it comes out of what memory_utilization leaves "
                                    "free, else out of the KV")
-    k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale); folded into softmax_scale")
-    v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale); folded into W_out")
+    k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale), 2^-24..2^24; folded into softmax_scale")
+    v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale), 2^-24..2^24; folded into W_out")
 
 
 @dataclass
@@ -257,8 +258,10 @@ class Recipe:
                 if v != "host":
                     bad(key, v, f"the {self.target} programs take the embedded x and cos/sin; use host "
                                 f"(fused forms are the GK decode's, trn2/trn3)")
-        if kv.k_scale <= 0 or kv.v_scale <= 0:
-            bad("kv_cache.k_scale/v_scale", (kv.k_scale, kv.v_scale), "scales must be positive")
+        for key, s in (("kv_cache.k_scale", kv.k_scale), ("kv_cache.v_scale", kv.v_scale)):
+            if not SCALE_RANGE[0] <= s <= SCALE_RANGE[1]:
+                bad(key, s, f"an FP8 dequant scale is in {SCALE_RANGE[0]:g}..{SCALE_RANGE[1]:g} (it is folded "
+                            f"into bf16 weights and fp32 softmax scales)")
         self._validate_compile(bad)
         bs = self.decode.batch_sizes
         if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
@@ -334,20 +337,31 @@ MAX_RECIPE = 1 << 20  # bytes; a recipe is a few hundred
 LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cache.block_size": 1 << 16,
           "kv_cache.num_blocks": 1 << 30, "kv_cache.hbm_per_rank_gib": 1 << 16, "tail.k": 1 << 16,
           "topology.tp": 1 << 12, "topology.dp": 1 << 12, "topology.ep": 1 << 16, "topology.vtp": 1 << 16,
-          "topology.hops": 1 << 16, "topology.a2a_batch_groups": 1 << 16}
+          "topology.hops": 1 << 16, "topology.a2a_batch_groups": 1 << 16, "kv_cache.device_reserve_gib": 1 << 16}
+# FP8 dequant scales: far outside this, a fold overflows or flushes bf16 weights.
+SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes) and without
-    duplicate keys (the last one would win silently)."""
+    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes), nested at
+    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), and without duplicate
+    keys (the last one would win silently)."""
+
+    depth = 0
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            ev = self.peek_event()
+        ev = self.peek_event()
+        if isinstance(ev, yaml.AliasEvent):
             raise GkError(f"line {ev.start_mark.line + 1}: YAML aliases (*{ev.anchor[:40]}) are not "
                           f"allowed in a recipe")
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            raise GkError(f"line {ev.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()

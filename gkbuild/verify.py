@@ -176,6 +176,18 @@ def unmodeled_switches(m: dict) -> list[str]:
     return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
 
 
+def _check_ids(g, model: dict) -> None:
+    """Token and expert ids from a golden file index tables: in range, or one line."""
+    V, E = model["vocab_size"], model["num_local_experts"]
+    k = model.get("num_experts_per_tok", model.get("experts_per_token"))
+    for what, ids, top in (("token id", g.token_ids, V), ("routing expert id", g.routing, E)):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= top):
+            raise GkError(f"the golden's {what}s reach {int(ids.max())} (min {int(ids.min())}); the build's model has "
+                          f"{top}")
+    if g.routing.shape[-1] != k:
+        raise GkError(f"the golden routes to {g.routing.shape[-1]} experts a token; the build's model to {k}")
+
+
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
@@ -218,6 +230,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if g.logits.shape[-1] != m["model"]["vocab_size"] or L != m["model"]["num_hidden_layers"] \
             or g.hidden.shape[-1] != m["model"]["hidden_size"]:
         raise GkError("the golden's model (vocabulary, layers or hidden size) does not match the build's")
+    _check_ids(g, m["model"])
     if P > batch:
         raise GkError(f"the golden has {P} sequences; the build decodes batches of at most {batch}")
     rows = torch.arange(batch) % P  # every row of the batch runs one of the golden's sequences

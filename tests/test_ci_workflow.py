@@ -33,7 +33,8 @@ def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     """Every gkbuild invocation in the job's run steps, env references filled with sample values."""
     job = wf["jobs"][job]
     env = {"RECIPE": "recipes/tiny-cpu.yaml", "GOLDEN": "goldens/tiny.safetensors", "OUT": "artifacts/x",
-           "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff", "KEY": "0123456789abcdef"}
+           "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff", "KEY": "0123456789abcdef",
+           "SIGNER": "https://github.com/org/gk/.github/workflows/build-artifacts.yml@refs/tags/build-1"}
     cmds = []
     for step in job["steps"]:
         for line in step.get("run", "").splitlines():
@@ -95,6 +96,24 @@ def test_the_farm_fans_out_over_the_missing_programs_then_the_build_assembles(tm
     assert len(keys) == 2 and all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys)
     for k in keys:
         cli.commands["farm"].make_context("farm", [*cell[1:cell.index("--only") + 1], k, "--cache", str(store)])
+
+
+def test_the_build_is_signed_keyless_by_the_runner_and_the_fetching_job_trusts_that_identity():
+    wf = _workflow()
+    assert wf["permissions"]["id-token"] == "write"  # the runner may ask GitHub for its OIDC token
+    publish = _commands(wf)[3]
+    assert publish[publish.index("--sign") + 1] == "sigstore"
+    job = wf["jobs"]["verify-on-trainium"]
+    fetch = _commands(wf, "verify-on-trainium")[0]
+    assert fetch[fetch.index("--trust") + 1] == "https://github.com/org/gk/.github/workflows/build-artifacts.yml@" \
+                                                 "refs/tags/build-1"
+    # the identity Sigstore certifies for a GitHub workflow: its file at the ref it ran for
+    assert job["env"]["SIGNER"] == ("https://github.com/${{ github.repository }}/.github/workflows/"
+                                    f"{WORKFLOW.name}@${{{{ github.ref }}}}")
+    assert "--trust-issuer" not in fetch  # GitHub Actions' issuer is the default
+    from gkbuild.publish.signing import GITHUB_ISSUER, trust_list
+
+    assert trust_list([fetch[fetch.index("--trust") + 1]])[0].issuer == GITHUB_ISSUER
 
 
 def test_every_gkbuild_command_in_the_workflow_parses(monkeypatch):

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import __version__
-from ..errors import GkError
+from ..errors import GkError, os_error
+from ..paths import inside
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
@@ -141,6 +142,8 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
             plan.scalars, asdict(r.tail), {p: be.kernel_key(p) for p in be.kernels}, skipped, __version__)
     paths = {s.key: artifact_path(be, s) for s in sigs}
+    for p in paths.values():  # written and replaced below: never through a link
+        inside(out, p)
     if skipped:
         status = f"skipped: {skipped}"
         if r.backend == "neuron" and require_neff:
@@ -151,7 +154,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", skipped
     be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set
-    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
+    # re-verified: an artifact edited since it was compiled is compiled (or restored) again
+    cached = state.stages.get("compile") == k and all(
+        (out / p).is_file() and sha256_file(out / p) == state.artifacts.get(p) for p in paths.values())
     t0 = time.perf_counter()
     if not cached:
         before_write()
@@ -160,9 +165,14 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
             if not (cache and cache.restore(keys[s.key], s.key, out / paths[s.key], be.expect(s.program))):
                 compile_program(plan, s, be, out, keys[s.key])
     entries = [artifact_entry(plan, s, be, out, paths[s.key]) for s in sigs]
+    state.artifacts = {e["path"]: e["sha256"] for e in entries}
     if cache and cache.push_enabled:
-        for e in entries:
-            cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        try:
+            for e in entries:
+                cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        except (GkError, OSError) as err:  # the build is whole without it; a rerun does not compile again
+            warn(f"compile cache: pushing to {cache.uri} failed ({os_error(err) if isinstance(err, OSError) else err}); "
+                 f"the build is complete, its programs were not stored")
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
     if cache and cache.summary():
         detail += f"; {cache.summary()}"

@@ -19,6 +19,7 @@ from ..checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
 from ..dtypes import dtype
 from ..layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
 from ..layout.dims import Dims
+from ..paths import inside
 from .fingerprint import sha256_file
 
 LAYOUT_VERSION = 2  # bump when any shard's bytes change for the same inputs
@@ -217,7 +218,7 @@ def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:
     from pathlib import Path
 
     ck = _checkpoint(ctx.ckpt_root)
-    path = Path(ctx.out_dir) / job.path
+    path = inside(Path(ctx.out_dir), job.path)
     meta = {"gkbuild_role": job.role, "gkbuild_layout_version": str(LAYOUT_VERSION)}
     producers = PRODUCERS[job.role](ctx, ck, job.index)
     # Tensors in file order, so the writer hashes as it appends (no read-back). Not fsynced here:

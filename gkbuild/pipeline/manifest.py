@@ -22,6 +22,7 @@ from ..errors import GkError
 SCHEMA_VERSION = 2
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / f"manifest-v{SCHEMA_VERSION}.json"
 NAME = "manifest.json"
+MAX_MANIFEST = 64 << 20  # the 120b manifest is a few MB; a bigger one is refused unread
 
 
 def tool_versions() -> dict:
@@ -40,10 +41,6 @@ def canonical(obj) -> bytes:
     from .state import dumps_strict
 
     return dumps_strict(obj, indent=1)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not strict JSON")
 
 
 def build_id(manifest: dict) -> str:
@@ -128,23 +125,28 @@ def write(path: Path, m: dict) -> None:
     write_bytes_atomic(path, canonical(m))
 
 
-def load(build_dir: Path) -> dict:
-    """Read a build's manifest, refusing a schema version this gkbuild does not know."""
+def read_bytes(build_dir: Path) -> bytes:
+    """A build's manifest bytes, refusing one over MAX_MANIFEST unread."""
+    from ..jsonio import read_bounded
+
     p = Path(build_dir) / NAME
     try:
-        data = p.read_bytes()
+        return read_bounded(p, MAX_MANIFEST)
     except FileNotFoundError:
         raise GkError(f"{build_dir}: no {NAME} (not a build folder, or the build did not finish)") from None
-    return parse(data, str(p))
+
+
+def load(build_dir: Path) -> dict:
+    """Read a build's manifest, refusing a schema version this gkbuild does not know."""
+    return parse(read_bytes(build_dir), str(Path(build_dir) / NAME))
 
 
 def parse(data: bytes, where: str) -> dict:
     """A manifest from its bytes: JSON, a schema version this gkbuild knows, the schema, and a
     ``build_id`` that is the hash of the rest (so no field was edited after the build)."""
-    try:
-        m = json.loads(data, parse_constant=_no_constant)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
-        raise GkError(f"{where}: not valid JSON ({e})") from None
+    from ..jsonio import loads
+
+    m = loads(data, where, MAX_MANIFEST)
     v = m.get("schema_version") if isinstance(m, dict) else None
     if v != SCHEMA_VERSION:
         raise GkError(f"{where}: schema_version {v!r} is not supported by gkbuild {__version__} "
