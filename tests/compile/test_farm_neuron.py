@@ -1,5 +1,5 @@
 """The farm's NEFF path, through the fake Neuron SDK and the stand-in kernel libraries: `gkbuild farm`
-on a trn2 recipe traces and compiles each program in a job of its own (from the recipe alone) into
+on a trn3 build of the tiny topology recipe traces and compiles each program in a job of its own (from the recipe alone) into
 a folder cache; a host without the SDK then assembles the build from that cache, compiling nothing,
 with the build id of a host that compiled it itself."""
 
@@ -15,7 +15,7 @@ from tests.compile.conftest import LIB_A, LIB_F
 from tests.conftest import RECIPES, run_cli
 
 TOPO = RECIPES / "tiny-topology-trn2.yaml"
-SETS = ["target=trn2", f"compile.kernels.decode.library={LIB_A}", f"compile.kernels.tail.library={LIB_F}"]
+SETS = ["target=trn3", f"compile.kernels.decode.library={LIB_A}", f"compile.kernels.tail.library={LIB_F}"]
 
 
 @pytest.mark.slow
