@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -149,6 +150,13 @@ def plan(recipe_path, overrides, as_json, show_compile):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    if p.recipe.backend == "neuron":
+        from .compile.conformance import isa_refusal
+        from .progress import warn
+
+        why = isa_refusal(p.recipe)
+        if why:
+            warn(f"the {p.recipe.target} NEFFs of this plan will not compile: {why}")
     compile_lines = []
     if show_compile:
         from .compile.stage import invocations
@@ -705,6 +713,72 @@ def _print_di_plan(plan: dict) -> None:
     out.print(f"SWA N-1 rule (window {plan['window']}): prefill {plan['swa']['prefill']}; decode {plan['swa']['decode']}")
     k = plan["k_conversion"]
     out.print(f"packed FP8 K: {k['where']} ({k['why']})" if k else "K is not packed: every block is copied as it is")
+
+@cli.command()
+@click.argument("recipe_paths", metavar="RECIPE...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_set_option
+@click.option("--vary", multiple=True, metavar="KEY=[V1, V2]",
+              help="Plan every recipe once per value of KEY (a YAML list), e.g. --vary "
+                   "'decode.batch_sizes=[[1], [8]]'; several --vary options cross.")
+@click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", required=True,
+              help="The compile cache the jobs push to (folder, hf://ORG/NAME, s3://BUCKET/PREFIX); env "
+                   "GKBUILD_COMPILE_CACHE.")
+@click.option("--executor", default="local", show_default=True, metavar="local|ray|ray://HOST:PORT",
+              help="local: processes on this host; ray: the Ray cluster RAY_ADDRESS names (or one on this host, "
+                   "else a new local one); ray://HOST:PORT: a Ray cluster's client address.")
+@click.option("--jobs", "-j", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="local executor: programs compiled at once (a NEFF compile takes tens of GB).")
+@click.option("--retries", type=click.IntRange(0, 10), default=2, show_default=True,
+              help="ray: times Ray reruns a job whose worker died (a compile error is not retried).")
+@click.option("--list", "list_only", is_flag=True, help="Only print the jobs the cache misses; compile nothing.")
+@click.option("--only", metavar="KEY", default=None,
+              help="Run exactly the job of this compile key (as --list prints it; 12+ hex digits): a CI matrix "
+                   "cell.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
+def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_only, only, as_json, quiet):
+    """Compile every program of every RECIPE as independent jobs that meet in the compile cache.
+
+    Plans each program (name, batch size, target, compile key) from the recipe and the model's
+    config alone, skips those STORE already holds and verifies, runs the rest as jobs (each traces
+    and compiles one program in its own folder and pushes it, conditionally, to STORE), and prints
+    one row a job: key, program, recipes, where it ran, seconds, and compiled, cached or failed.
+    Exits 1 if any job failed. Afterwards `gkbuild compile RECIPE --cache STORE` on any host
+    assembles the build without compiling.
+
+    \b
+      gkbuild farm recipes/gpt-oss-120b-trn2.yaml recipes/gpt-oss-120b-trn3.yaml \\
+          --vary 'decode.batch_sizes=[[1, 8], [64]]' --cache s3://my-bucket/gk-cache --executor ray
+      gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --list --json   # the CI matrix
+      gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --only 3f2a9c0d41be  # one cell
+    """
+    from .farm.run import run
+
+    rep = run(list(recipe_paths), cache, list(overrides), list(vary), executor, workers, retries, list_only, only,
+              quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+    elif not quiet:
+        _print_farm(rep, list_only)
+    if not list_only and rep["failed"]:
+        raise GkError(f"farm: {rep['failed']} of {len(rep['jobs'])} jobs failed")
+
+
+def _print_farm(rep: dict, list_only: bool) -> None:
+    colors = {"compiled": "green", "cached": "dim", "failed": "red", "missing": "yellow"}
+    title = (f"{len(rep['jobs'])} of {rep['planned']} programs missing from {rep['cache']}" if list_only else
+             f"farm -> {rep['cache']} ({rep['executor']}): {rep['compiled']} compiled, {rep['cached']} cached, "
+             f"{rep['failed']} failed in {rep['seconds']:.1f} s")
+    t = Table(title=title, title_justify="left")
+    cols = ("key", "program", "batch", "target", "recipes") + (() if list_only else ("where", "seconds")) + ("status",)
+    for c in cols:
+        t.add_column(c, justify="right" if c == "seconds" else "left")
+    for j in rep["jobs"]:
+        status = j["status"] + (f": {j['error']}" if j.get("error") else "")
+        ran = () if list_only else (j["where"], f"{j['seconds']:.1f}")
+        t.add_row(j["key"][:16], j["program"], j["batch_size"], j["target"], ", ".join(j["recipes"]), *ran,
+                  f"[{colors[j['status']]}]{escape(status)}[/]")
+    out.print(t)
 
 
 @cli.command("recipe-doc")

@@ -140,6 +140,11 @@ class Compile:
                             "NeuronCore needed (AWS-documented); device: torch_neuronx.trace on a NeuronCore; "
                             "xla-cpu: torch-xla on PJRT_DEVICE=CPU + the neuronx-cc CLI (undocumented, unverified)",
                     ("host", "device", "xla-cpu"))
+    job_cpus: typing.Optional[int] = _f(None, "CPUs a gkbuild farm job asks its cluster for, one program "
+                                              "(default: 1 for cpu/cuda, 8 for trn2/trn3)")
+    job_memory_gib: typing.Optional[float] = _f(None, "memory a gkbuild farm job asks its cluster for, in GiB "
+                                                      "(default: 3 for cpu/cuda, 64 for trn2/trn3: a full-model "
+                                                      "NEFF compile takes tens of GB)")
 
 
 @dataclass
@@ -174,6 +179,14 @@ class Recipe:
     @property
     def backend(self) -> str:
         return "neuron" if self.target in NEURON_TARGETS else "inductor"
+
+    @property
+    def job_resources(self) -> tuple[int, int]:
+        """(CPUs, memory bytes) a farm job of this recipe asks its cluster for."""
+        neuron = self.backend == "neuron"
+        cpus = self.compile.job_cpus or (8 if neuron else 1)
+        gib = self.compile.job_memory_gib or (64 if neuron else 3)
+        return cpus, int(gib * (1 << 30))
 
     def output_dir(self, cwd: Path | None = None) -> Path:
         p = Path(self.output) if self.output else Path("artifacts") / self.name
@@ -257,6 +270,10 @@ class Recipe:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
                                              f"(every rank holds at least one token)")
+            if self.decode.embedding == "hidden" and b // t.dp > 128:
+                bad("decode.batch_sizes", b, f"decode.embedding: hidden gathers a DP replica's {b // t.dp} tokens into "
+                                             f"one SBUF tile of at most 128 rows (the fork F's prologue): use vocab or "
+                                             f"host, or more DP replicas")
         return self
 
     def _validate_compile(self, bad) -> None:
@@ -275,6 +292,10 @@ class Recipe:
             names.append(sw.partition("=")[0])
         if len(set(names)) != len(names):
             bad("compile.kernel_switches", c.kernel_switches, "each switch once")
+        if c.job_cpus is not None and c.job_cpus < 1:
+            bad("compile.job_cpus", c.job_cpus, "expected a positive number of CPUs")
+        if c.job_memory_gib is not None and not 0 < c.job_memory_gib <= 1 << 20:
+            bad("compile.job_memory_gib", c.job_memory_gib, "expected a positive size in GiB")
 
     def check_against(self, cfg: GptOssConfig) -> "Recipe":
         """Reject a topology the model cannot be split into, naming the key and the valid values."""
@@ -466,6 +487,11 @@ def apply_overrides(data: dict, overrides: list[str], where) -> dict:
 
 def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
+    return loads(read_text(path), path, overrides)
+
+
+def read_text(path: Path) -> str:
+    """A recipe file's text: at most ``MAX_RECIPE`` bytes of UTF-8."""
     try:
         if path.is_dir():
             raise GkError(f"{path}: is a folder, not a recipe file")
@@ -479,6 +505,11 @@ def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise GkError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return text
+
+
+def loads(text: str, path: Path, overrides: list[str] = ()) -> Recipe:
+    """A recipe from its text; ``path`` names it in errors and anchors its relative paths."""
     data = parse_yaml(text, path)
     if overrides:
         if not isinstance(data, dict):

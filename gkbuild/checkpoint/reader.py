@@ -92,9 +92,12 @@ class Checkpoint:
         the file and tensor.
         """
         info = self.info(name)
-        arr = self._map(info).array(info)
+        m = self._map(info)
+        arr = m.array(info)
         if lo is not None:
             arr = arr[lo:hi]
+        row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
+        m.populate(info.offset + (lo or 0) * row, arr.nbytes)
         where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
         if name.endswith("_scales"):
             check_scales(arr, where)

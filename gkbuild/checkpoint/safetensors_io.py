@@ -136,6 +136,18 @@ class MappedFile:
     # A page fault maps neighbouring cached pages too (fault-around, 64 KiB by default), so a
     # release reaches this far past both ends of the range it was asked for.
     FAULT_AROUND = 1 << 20
+    MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in one call instead of a fault each
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Map a byte range's pages now, in one system call (a build reads every byte of what it
+        asks for: faulting them in one 64 KiB group at a time cost a third of its system time)."""
+        if not self._mm or nbytes <= 0:
+            return
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._mm.madvise(self.MADV_POPULATE_READ, start, min(offset + nbytes, self.header.size) - start)
+        except OSError:  # an older kernel: the pages fault in as they are read
+            pass
 
     def release(self, offset: int, nbytes: int) -> None:
         """Drop the mapped pages of a byte range (and the fault-around margin) from this process;

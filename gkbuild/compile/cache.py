@@ -167,23 +167,50 @@ class CompileCache:
         self.hits: list[str] = []
         self.pushed: list[str] = []
         self._prepared = False
+        self._blobs: dict[str, int] | None = None  # the store's blobs and sizes, listed once (``holds``)
+
+    def entry(self, k: str, program: str, expect: dict) -> dict | None:
+        """The entry of key ``k`` (None when the cache has none), checked: its key, program, and the
+        format, target, compiler and flags ``expect`` says this compile would use."""
+        where = f"{self.uri}/{entry_name(k)}"
+        raw = self.store.get(entry_name(k), MAX_ENTRY)
+        if raw is None:
+            return None
+        e = parse_entry(raw, where, k)
+        a = e["artifact"]
+        if e["program"] != program:
+            raise GkError(f"{where}: the entry is for the {e['program']} program, not {program}")
+        for f in ("format", "target", "compiler", "flags"):
+            if a.get(f) != expect[f]:
+                raise GkError(f"{where}: the entry's {f} is {a.get(f)!r}, this compile's is {expect[f]!r}")
+        return e
+
+    def holds(self, k: str, program: str, expect: dict) -> bool:
+        """Whether the cache holds the program of key ``k``, verified without fetching it: its entry
+        (as ``restore`` checks it) and its blob, present at the entry's stored size. The bytes
+        themselves are verified by the compile that restores them (which compiles instead if they
+        do not)."""
+        try:
+            e = self.entry(k, program, expect)
+        except GkError as err:
+            warn(f"compile cache: {err}; {program} will be compiled")
+            return False
+        if e is None:
+            return False
+        if self._blobs is None:
+            self._blobs = self.store.stored()
+        a = e["artifact"]
+        return self._blobs.get(a["blob"]) == a["stored_size"]
 
     def restore(self, k: str, program: str, dst: Path, expect: dict) -> bool:
         """Fetch the program of key ``k`` into ``dst`` if the cache has it and it verifies; else False.
         ``expect``: the format, target, compiler and flags this compile would use."""
-        where = f"{self.uri}/{entry_name(k)}"
-        raw = self.store.get(entry_name(k), MAX_ENTRY)
-        if raw is None:
-            return False
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.cache.partial")
         try:
-            e = parse_entry(raw, where, k)
+            e = self.entry(k, program, expect)
+            if e is None:
+                return False
             a = e["artifact"]
-            if e["program"] != program:
-                raise GkError(f"{where}: the entry is for the {e['program']} program, not {program}")
-            for f in ("format", "target", "compiler", "flags"):
-                if a.get(f) != expect[f]:
-                    raise GkError(f"{where}: the entry's {f} is {a.get(f)!r}, this compile's is {expect[f]!r}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             blob = f"{self.uri}/{a['blob']}"
             with self.store.open_blob(a["blob"]) as src, os.fdopen(create(tmp), "wb") as out:

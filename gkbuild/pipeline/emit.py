@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from ..checkpoint import mxfp4, names
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
+from ..dtypes import dtype
 from ..layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
 from ..layout.dims import Dims
 from ..paths import inside
@@ -140,7 +140,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
             ck.release(names.EMBED, r0, r1)
             yield embedding.hidden_shard(block, index, d.tp) if ctx.embedding == "hidden" else block
         if ctx.embedding == "vocab" and hi - lo < rows:  # the last rank's rows past V
-            yield np.zeros((rows - (hi - lo), d.Hp), ml_dtypes.bfloat16)
+            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").numpy)
 
     return {"embed_tokens" if ctx.embedding == "host" else "embed_weight": table}
 

@@ -88,6 +88,9 @@ class _Runner:
     """A process pool whose workers report (task, bytes) to the progress bars."""
 
     def __init__(self, jobs: int, progress: Progress):
+        from ..dtypes import dtype
+
+        dtype("bf16").numpy  # ml_dtypes imported once here, inherited by every forked worker
         ctx = mp.get_context("fork")
         self.queue = ctx.SimpleQueue()
         self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=init_worker,
@@ -235,7 +238,8 @@ class _Build:
                 self.fps.save()
                 unknown, self._fp = [], self.source_fp()
             todo = self._todo()
-            if todo or any(p not in {f.path for f in self.plan_.files} for p in self.state.shards):
+            planned = {f.path for f in self.plan_.files}
+            if todo or any(p not in planned for p in self.state.shards):
                 self.unpublish()
             if todo or unknown:
                 # A first build with unhashed sources hashes them alongside the emission.

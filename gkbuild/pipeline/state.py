@@ -131,7 +131,16 @@ class State:
         self.shards: dict[str, dict] = d.get("shards", {})
         self.source: dict = d.get("source", {})
         self.artifacts: dict[str, str] = d.get("artifacts", {})  # compiled path -> sha256 as written
+        self._saved = self._bytes() if d else None
+
+    def _bytes(self) -> bytes:
+        return dumps_strict({"stages": self.stages, "shards": self.shards, "source": self.source,
+                             "artifacts": self.artifacts}, indent=None)
 
     def save(self) -> None:
-        write_json_atomic(self.path, {"stages": self.stages, "shards": self.shards, "source": self.source,
-                                      "artifacts": self.artifacts}, indent=None)
+        """Write the state (atomically, synced) unless it is what the file already holds: a no-op
+        build writes nothing."""
+        data = self._bytes()
+        if data != self._saved:
+            write_bytes_atomic(self.path, data)
+            self._saved = data

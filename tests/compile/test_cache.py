@@ -47,7 +47,7 @@ def no_compiler(monkeypatch):
     """inductor.build replaced: records what would be compiled, writes a stand-in package."""
     built = []
 
-    def fake_build(program, sig, batch_sizes, target, path):
+    def fake_build(program, sig, batch_sizes, target, path, key):
         built.append(sig.program)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"compiled here")

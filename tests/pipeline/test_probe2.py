@@ -137,7 +137,7 @@ def fake_compiler(monkeypatch):
     """inductor.build writes a deterministic stand-in: compiling is not what is tested here."""
     calls = []
 
-    def build(program, sig, batch_sizes, target, path):
+    def build(program, sig, batch_sizes, target, path, key):
         calls.append(sig.key)
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"PK compiled " + sig.key.encode())

@@ -135,7 +135,7 @@ def test_a_cache_push_that_fails_is_a_warning_and_a_rerun_compiles_nothing(build
 
     calls = []
 
-    def fake(program, sig, batch_sizes, target, path):
+    def fake(program, sig, batch_sizes, target, path, key):
         calls.append(sig.key)
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"PK " + sig.key.encode())
