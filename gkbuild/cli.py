@@ -324,42 +324,54 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 @click.option("--loose", is_flag=True, help="Accept a golden of another KV format, at the loose tolerances.")
 @click.option("--allow-other-checkpoint", "other_checkpoint", is_flag=True,
               help="Accept a golden made from another checkpoint than the build's source.")
+@click.option("--prefill", type=click.Choice(["nixl"]), default=None,
+              help="Disaggregated inference: a prefill engine (its own process on 127.0.0.1) computes each prompt's "
+                   "first N-1 positions, NIXL moves their K/V into the build's cache as the transfer plan says, and "
+                   "the decode runs (and is judged) from position N-1 on. Needs gkbuild[di].")
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill ranks (the model's kv heads split over them).")
+@click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds every NIXL READ of a prompt set must finish in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkpoint, as_json, quiet):
+def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkpoint, prefill, prefill_tp,
+           transfer_timeout, as_json, quiet):
     """Run BUILD's decode steps through the torch twins (every rank emulated, each seeing only its
     own shards) and compare the logits with the reference model's: NxD-style tolerances on the
     reference's top-5/50/1000/all logits, teacher forcing, near-tie allowances; tight when the
     golden emulates the build's KV format. Exits 1 on a mismatch and names the first layer whose
-    hidden state or routing departs."""
-    from .verify import LAYER_TOL, MAX_FORCED, run
+    hidden state or routing departs.
 
-    rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts, engine=engine, loose=loose,
-              other_checkpoint=other_checkpoint, quiet=quiet or as_json)
-    if as_json:
-        click.echo(json.dumps(rep.to_dict(), indent=2))
+    With --prefill nixl and no --golden, it runs one prompt set per length the SWA N-1 rule must
+    cover (longer than the sliding window; N % block == 0 and N % block == block - 1)."""
+    from .verify import check_prefill, run
+
+    quiet = quiet or as_json
+    kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, engine=engine, loose=loose,
+              other_checkpoint=other_checkpoint, quiet=quiet)
+    if prefill is None:
+        reports = [run(build_dir, **kw)]
     else:
-        _print_verify(rep)
-    if not rep.ok:
-        where = f"layer {rep.first_bad_layer}" if rep.first_bad_layer is not None else "the tail (no layer departs)"
-        what = []
-        if rep.first_failure:
-            what.append(f"sequence {rep.first_failure[0]} position {rep.first_failure[1]} is out of tolerance")
-        if rep.layer_departs:
-            i = rep.first_bad_layer
-            what.append(f"layer {i} departs from the reference (worst hidden-state error {rep.layer_errors[i]:.3g}, "
-                        f"limit {LAYER_TOL[rep.kv]}; {rep.layer_routing[i]} routing departures)")
-        if rep.too_many_forced:
-            what.append(f"routing was forced at true ties on {rep.routing_forced} of {rep.routing_total} "
-                        f"token-layers (more than {MAX_FORCED:.0%})")
-        raise GkError(f"verify failed: {'; '.join(what)}; the first hidden state or routing to depart from the "
-                      f"reference is {where}")
+        from .di.decode import serving
+
+        check_prefill(engine)  # before a prefill process is started
+        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
+            reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
+    if as_json:
+        click.echo(json.dumps(reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports], indent=2))
+    else:
+        for rep in reports:
+            _print_verify(rep)
+    for rep in reports:
+        if not rep.ok:
+            raise GkError(rep.failure())
 
 
 def _print_verify(rep) -> None:
     from .verify import TOLERANCES
 
-    t = Table(title=f"verify ({rep.kv} tolerances: golden KV {rep.golden_kv}, build KV {rep.build_kv})",
+    di = f"; positions 0..{rep.prefilled - 1} prefilled, pulled over NIXL" if rep.prefilled else ""
+    t = Table(title=f"verify ({rep.kv} tolerances: golden KV {rep.golden_kv}, build KV {rep.build_kv}{di})",
               title_justify="left")
     for c in ("pos", "top-1 exact/near/wrong", "max |err| top-5", "top-50", "top-1000", "all", "min cosine", ""):
         t.add_column(c, justify="right")
@@ -625,6 +637,82 @@ def cache_prune(store, keep):
     note(f"removed {rep['entries_removed']} entries and {rep['blobs_removed']} blobs "
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
+
+@cli.group()
+def di():
+    """Disaggregated inference: how a prefill engine's KV reaches a build's cache over NIXL."""
+
+
+@di.command("plan")
+@click.argument("target", metavar="BUILD|RECIPE", type=click.Path(path_type=Path))
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill ranks (the model's kv heads split over them).")
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON (every decode rank's reads).")
+def di_plan(target, prefill_tp, overrides, as_json):
+    """The transfer plan of a build (a folder with a manifest: its layout/kv.json) or of a recipe
+    (the kv.json it would write, no weights read): the regions the prefill engine registers
+    (seed 000's native per-layer engine: a [2, blocks, kv/TP, block, d] buffer a layer pair, one
+    region a K or V half), and for every decode rank, layer and half which prefill rank, region,
+    byte offset and length it reads a block from; the SWA N-1 rule as both roles apply it; what
+    converts packed FP8 K, and where."""
+    from .di.plan import transfer_plan
+
+    if target.is_dir():
+        from .di.decode import plan_of
+        from .runtime import Build
+
+        if overrides:
+            raise GkError("--set applies to a recipe, not to a build")
+        build = Build.open(target)
+        try:
+            plan = plan_of(build, prefill_tp)
+        finally:
+            build.close()
+    else:
+        from .pipeline.pipeline import layout_docs
+
+        p, _ = _load_plan(target, overrides, offline_preset=True)
+        doc = json.loads(json.dumps(layout_docs(p)["layout/kv.json"]))
+        plan = transfer_plan(doc, prefill_tp, p.config.sliding_window)
+    if as_json:
+        click.echo(json.dumps(plan, indent=1))
+        return
+    _print_di_plan(plan)
+
+
+def _print_di_plan(plan: dict) -> None:
+    from .plan import group_ranks, rank_ranges
+    from .summary import human_bytes
+
+    d, p = plan["decode"], plan["prefill"]
+    out.print(f"decode: {d['world_size']} ranks, {d['form']} KV ({d['entries']} entries of {d['num_blocks']} blocks), "
+              f"{d['dtype']}{' packed K' if d['packed'] else ''}, block {d['block_size']} x d {d['head_dim']}, "
+              f"{d['kv_heads_per_rank']} kv head(s) a rank, block_len {d['block_len']} B")
+    out.print(f"prefill: TP{p['tp']}, {p['kv_heads_per_rank']} of {p['kv_heads']} kv heads a rank "
+              f"({', '.join(f'rank {i}: {h}' for i, h in enumerate(p['heads_of_rank']))}), {p['layout']}, "
+              f"block_len {p['block_len']} B")
+    t = Table(title="what each layer reads (every decode rank)", title_justify="left")
+    for c in ("layer", "half", "block group", "decode region (entry)", "decode region offset", "prefill region (buffer)"):
+        t.add_column(c, justify="right")
+    regions = d["regions"]
+    for rd in plan["ranks"][0]["reads"]:
+        t.add_row(str(rd["layer"]), rd["half"], rd["group"], f"{rd['decode_region']} ({regions[rd['decode_region']]['entry']})",
+                  human_bytes(rd["decode_region_offset"]), f"{rd['prefill_region']} ({rd['prefill_region'] // 2})")
+    out.print(t)
+    t = Table(title="which prefill rank and bytes of its block fill a decode block", title_justify="left")
+    for c in ("decode ranks", "kv heads", "prefill rank", "prefill offset", "decode offset", "length"):
+        t.add_column(c, justify="right")
+    for grp in group_ranks((r["rank"], {"heads": r["kv_heads"], "segments": r["reads"][0]["segments"]})
+                           for r in plan["ranks"]):
+        for s in grp["segments"]:
+            t.add_row(rank_ranges(grp["ranks"]), str(grp["heads"]), str(s["prefill_rank"]), str(s["prefill_offset"]),
+                      str(s["decode_offset"]), str(s["length"]))
+    out.print(t)
+    out.print(f"bytes of block b: decode {plan['offsets']['decode']}; prefill {plan['offsets']['prefill']}")
+    out.print(f"SWA N-1 rule (window {plan['window']}): prefill {plan['swa']['prefill']}; decode {plan['swa']['decode']}")
+    k = plan["k_conversion"]
+    out.print(f"packed FP8 K: {k['where']} ({k['why']})" if k else "K is not packed: every block is copied as it is")
 
 @cli.command()
 @click.argument("recipe_paths", metavar="RECIPE...", nargs=-1, required=True, type=click.Path(path_type=Path))

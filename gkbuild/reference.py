@@ -61,15 +61,21 @@ class KvFormat:
         m = FP8_MAX[self.dtype]
         return (x * (1.0 / scale)).clamp(-m, m) * scale
 
-    def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        """What later tokens read back. Both FP8 formats are carried by float8_e4m3fn: after the
-        clamp to the format's max their values are bit-identical."""
+    def encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """The values a cache of this format holds: bf16, or FP8 of x / scale saturated at the
+        format's max (both FP8 formats carried by float8_e4m3fn: after the clamp their values
+        are bit-identical); fp32 as it is."""
         if self.dtype == "fp32":
             return x
         if self.dtype == "bf16":
-            return x.to(torch.bfloat16).to(x.dtype)
+            return x.to(torch.bfloat16)
         m = FP8_MAX[self.dtype]
-        return (x * (1.0 / scale)).clamp(-m, m).to(torch.float8_e4m3fn).to(x.dtype) * scale
+        return (x * (1.0 / scale)).clamp(-m, m).to(torch.float8_e4m3fn)
+
+    def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """What later tokens read back: the encoded value, dequantized."""
+        e = self.encode(x, scale).to(x.dtype)
+        return e * scale if self.fp8 else e
 
     def to_meta(self) -> dict:
         return {"dtype": self.dtype, "k_scale": self.k_scale, "v_scale": self.v_scale}
@@ -83,14 +89,17 @@ class _Cache:
     """One layer-indexed KV cache over the sequences, rounded on write. transformers' attention
     calls ``update``; the rounding-aware attention reads ``active`` (this call's own K/V)."""
 
-    def __init__(self, fmt: KvFormat):
+    def __init__(self, fmt: KvFormat, on_kv=None):
         self.fmt = fmt
+        self.on_kv = on_kv
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.active: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         f = self.fmt
+        if self.on_kv is not None:
+            self.on_kv(layer_idx, key_states, value_states)
         self.active = (f.active(key_states, f.k_scale), f.active(value_states, f.v_scale))
         k, v = f.stored(key_states, f.k_scale), f.stored(value_states, f.v_scale)
         if layer_idx in self.k:
@@ -243,11 +252,13 @@ def _mask(positions: torch.Tensor, total: int, window: int | None) -> torch.Tens
 
 
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
-        quiet: bool = True) -> dict[str, torch.Tensor]:
+        quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
     """Greedy continuation of each prompt by ``steps`` tokens, layer by layer: one pass for the
     prompts, one per generated token. Returns ``token_ids`` [P, T], ``logits`` [P, T, V],
     ``hidden`` [P, L, T, H] (after every layer), ``routing`` [P, L, T, k] (the experts chosen) and
-    ``router_gap`` [P, L, T] (the margin between the k-th and (k+1)-th router logits)."""
+    ``router_gap`` [P, L, T] (the margin between the k-th and (k+1)-th router logits).
+    ``on_kv(layer, k, v)`` sees each pass's new K (after RoPE) and V [P, kv heads, n, d] before
+    the cache rounds them (a DI prefill writes them in its own layout)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -265,7 +276,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
         norm = GptOssRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         norm.load_state_dict({"weight": Layer._read(ck, names.FINAL_NORM, device)}, assign=True)
         ids = torch.tensor(prompts, dtype=torch.int64)
-        cache = _Cache(kv)
+        cache = _Cache(kv, on_kv)
         new, chunks = ids, []
         with torch.no_grad(), steps_bar("reference", (steps + 1) * L, quiet) as advance:
             for s in range(steps + 1):

@@ -100,10 +100,29 @@ class Report:
     build_kv: str = ""
     layer_departs: bool = False  # a layer's hidden state or routing departs (fails at the tight tier)
     unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
+    prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
 
     @property
     def too_many_forced(self) -> bool:
         return self.routing_forced > MAX_FORCED * self.routing_total
+
+    def failure(self) -> str:
+        """What failed, in one line: the positions out of tolerance, the first layer whose hidden
+        state or routing departs, too many forced routings."""
+        where = f"layer {self.first_bad_layer}" if self.first_bad_layer is not None else "the tail (no layer departs)"
+        what = []
+        if self.first_failure:
+            what.append(f"sequence {self.first_failure[0]} position {self.first_failure[1]} is out of tolerance")
+        if self.layer_departs:
+            i = self.first_bad_layer
+            what.append(f"layer {i} departs from the reference (worst hidden-state error {self.layer_errors[i]:.3g}, "
+                        f"limit {LAYER_TOL[self.kv]}; {self.layer_routing[i]} routing departures)")
+        if self.too_many_forced:
+            what.append(f"routing was forced at true ties on {self.routing_forced} of {self.routing_total} "
+                        f"token-layers (more than {MAX_FORCED:.0%})")
+        di = f" (decoding from position {self.prefilled} on KV pulled over NIXL)" if self.prefilled else ""
+        return (f"verify failed{di}: {'; '.join(what)}; the first hidden state or routing to depart from the "
+                f"reference is {where}")
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "tolerances": self.kv, "golden_kv": self.golden_kv, "build_kv": self.build_kv,
@@ -112,7 +131,7 @@ class Report:
                 "first_failure": self.first_failure, "first_bad_layer": self.first_bad_layer,
                 "layer_departs": self.layer_departs,
                 "layer_errors": self.layer_errors, "layer_routing_departures": self.layer_routing,
-                "unmodeled_switches": self.unmodeled,
+                "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "ok": s.ok} for s in self.steps]}
@@ -176,6 +195,17 @@ def unmodeled_switches(m: dict) -> list[str]:
     return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
 
 
+def check_prefill(engine: str) -> None:
+    """A DI verify can run here: the decode on this host (twins or compiled programs) and NIXL
+    installed; else one line, before any work."""
+    from .di.nixl import api
+
+    if engine == "neuron":
+        raise GkError("--prefill nixl decodes through the twins or the compiled programs on this host, not "
+                      "--engine neuron")
+    api()
+
+
 def _check_ids(g, model: dict) -> None:
     """Token and expert ids from a golden file index tables: in range, or one line."""
     V, E = model["vocab_size"], model["num_local_experts"]
@@ -189,13 +219,16 @@ def _check_ids(g, model: dict) -> None:
 
 
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
-        engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True) -> Report:
+        engine: str = "twin", loose: bool = False, other_checkpoint: bool = False, quiet: bool = True,
+        prefill=None) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
     when none is given), running it through the torch twins, (``engine="compiled"``) its compiled
     .pt2 programs, or (``engine="neuron"``, on a Trainium host) its NEFFs on the NeuronCores; the
     twins' per-layer hidden states are compared as each step produces them. ``other_checkpoint``
     accepts a golden made from another checkpoint than the build's source (to hold a build of an
-    edited checkpoint to the original model)."""
+    edited checkpoint to the original model). ``prefill`` (``di.decode.Prefill``): the prompts'
+    first N-1 positions come from a prefill engine over NIXL (``di.decode.pull``); the session
+    decodes, and is judged, from position N-1 on."""
     from .golden import Golden, checkpoint_hash, default_prompts, for_checkpoint
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
@@ -204,6 +237,8 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     build = Build.open(build_dir)
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
+    if prefill is not None:
+        check_prefill(engine)  # before a golden is computed
     if engine == "neuron":
         from .compile import neuron_run
 
@@ -237,12 +272,17 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if engine == "neuron":
         return _on_neuron(build, g, batch, rows, kv)
     session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
+    t0 = 0
+    if prefill is not None:
+        from .di.decode import pull
+
+        t0 = pull(build, session, g.token_ids[:, :g.prompt_len].tolist(), rows, prefill, quiet)
     ours = torch.empty(P, T, g.logits.shape[-1])
     errors = torch.zeros(P, T, L)
     departed = torch.zeros(P, T, L, dtype=torch.bool)
     forced = 0
-    with steps_bar("verify", T * L, quiet) as advance:
-        for t in range(T):
+    with steps_bar("verify", (T - t0) * L, quiet) as advance:
+        for t in range(t0, T):
             guide = RoutingGuide(g.routing[rows, :, t].transpose(0, 1), g.router_gap[rows, :, t].T, TIE)
             res = session.step(g.token_ids[rows, t], collect_hiddens=True, guide=guide,
                                on_layer=lambda i, t=t: advance(1, f"position {t + 1}/{T}, layer {i + 1}/{L}"))
@@ -257,9 +297,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
                 errors[p, t] = torch.maximum(errors[p, t], err[b]) if b >= P else err[b]
                 departed[p, t] |= guide.departed[:, b]
     build.close()
-    rep = compare(ours, g.logits, kv)
-    rep.routing_forced, rep.routing_total = forced, T * batch * L
+    rep = compare(ours, g.logits, kv, steps_from=t0)
+    rep.routing_forced, rep.routing_total = forced, (T - t0) * batch * L
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
+    rep.prefilled = t0
     rep.layer_errors = errors.amax(dim=(0, 1)).tolist()
     rep.layer_routing = departed.sum(dim=(0, 1)).tolist()
     first = attribute(errors, departed, kv)
