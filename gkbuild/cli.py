@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -149,6 +150,13 @@ def plan(recipe_path, overrides, as_json, show_compile):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    if p.recipe.backend == "neuron":
+        from .compile.conformance import isa_refusal
+        from .progress import warn
+
+        why = isa_refusal(p.recipe)
+        if why:
+            warn(f"the {p.recipe.target} NEFFs of this plan will not compile: {why}")
     compile_lines = []
     if show_compile:
         from .compile.stage import invocations
@@ -286,9 +294,11 @@ _DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="
 @_PROMPT
 @_CHAT
 @click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6'.")
-@click.option("--prompts", "n_prompts", default=4, show_default=True, help="Random prompts, when no --prompt or --prompt-ids.")
-@click.option("--prompt-len", default=4, show_default=True, help="Length of the random prompts.")
-@click.option("--steps", default=16, show_default=True,
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=4, show_default=True,
+              help="Random prompts, when no --prompt or --prompt-ids.")
+@click.option("--prompt-len", type=click.IntRange(1, 1 << 16), default=4, show_default=True,
+              help="Length of the random prompts.")
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
               help="Greedy continuation steps after the longest prompt (shorter prompts continue greedily to it).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--kv", "kv_dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp32"]), default="bf16",
@@ -318,8 +328,11 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
     given = _text_prompts(spec, texts, chat, prompt_ids)
-    prompts, meta = given if given else (_prompt_ids(prompt_ids) or default_prompts(model_config(spec).V, n_prompts,
-                                                                                     prompt_len, seed), None)
+    vocab = model_config(spec).V
+    prompts, meta = given if given else (_prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed),
+                                         None)
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
     g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet, meta)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
@@ -331,8 +344,9 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
 @_PROMPT
 @_CHAT
-@click.option("--steps", default=16, show_default=True, help="Decode steps after the prompt (no --golden).")
-@click.option("--prompts", "n_prompts", type=int, default=None,
+@click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
+              help="Decode steps after the prompt (no --golden).")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=None,
               help="Random prompts, when no --golden or --prompt (default min(4, batch)).")
 @click.option("--engine", type=click.Choice(["twin", "compiled", "neuron"]), default="twin", show_default=True,
               help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda); "
@@ -341,12 +355,20 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
 @click.option("--loose", is_flag=True, help="Accept a golden of another KV format, at the loose tolerances.")
 @click.option("--allow-other-checkpoint", "other_checkpoint", is_flag=True,
               help="Accept a golden made from another checkpoint than the build's source.")
+@click.option("--prefill", type=click.Choice(["nixl"]), default=None,
+              help="Disaggregated inference: a prefill engine (its own process on 127.0.0.1) computes each prompt's "
+                   "first N-1 positions, NIXL moves their K/V into the build's cache as the transfer plan says, and "
+                   "the decode runs (and is judged) from position N-1 on. Needs gkbuild[di].")
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill ranks (the model's kv heads split over them).")
+@click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds every NIXL READ of a prompt set must finish in.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, report_dir,
-           as_json, quiet):
+def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, prefill,
+           prefill_tp, transfer_timeout, report_dir, as_json, quiet):
     """Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
     compare with the reference model: NxD-style tolerances on the reference's top-5/50/1000/all
     logits, teacher forcing, near-tie allowances; tight when the golden emulates the build's KV
@@ -354,56 +376,57 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     fixed probe rows, and the tail's final norm and lm_head on the reference's numbers. Exits 1 on
     a mismatch and names the first part that departs on its own.
 
+    With --prefill nixl and no --golden, it runs one prompt set per length the SWA N-1 rule must
+    cover (longer than the sliding window; N % block == 0 and N % block == block - 1); --report
+    then writes one folder a set, DIR/prompt-len-N.
+
     \b
       gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
       gkbuild verify artifacts/gpt-oss-120b-trn2 --golden g.safetensors --json
     """
-    from .verify import MAX_FORCED, run
+    from .verify import check_prefill, run
 
     if golden_file is not None and texts:
         raise GkError("--prompt makes a golden now; with --golden the golden's own prompts are used")
     if chat and not texts:
         raise GkError("--chat renders --prompt texts with the chat template; give at least one --prompt")
-    rep = run(build_dir, golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat,
-              engine=engine, loose=loose, other_checkpoint=other_checkpoint, quiet=quiet or as_json, device=device)
-    d = rep.to_dict()
+    quiet = quiet or as_json
+    kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
+              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device)
+    if prefill is None:
+        reports = [run(build_dir, **kw)]
+    else:
+        from .di.decode import serving
+
+        if texts:
+            raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
+                          "give --golden or no prompts")
+        check_prefill(engine)  # before a prefill process is started
+        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
+            reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
+    dicts = [r.to_dict() for r in reports]
     if report_dir is not None:
         from . import report
 
-        written = report.write(d, report_dir, f"gkbuild verify {build_dir}")
-        note(f"wrote {written[0]} and {written[1]}", quiet or as_json)
+        for rep, d in zip(reports, dicts):  # one folder a DI prompt set (N = its prompt length)
+            where = report_dir / f"prompt-len-{rep.prefilled + 1}" if len(reports) > 1 else report_dir
+            written = report.write(d, where, f"gkbuild verify {build_dir}")
+            note(f"wrote {written[0]} and {written[1]}", quiet)
     if as_json:
-        click.echo(json.dumps(d, indent=2))
+        click.echo(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
     else:
-        _print_verify(rep)
-    if not rep.ok:
-        what = []
-        if rep.first_failure:
-            what.append(f"sequence {rep.first_failure[0]} position {rep.first_failure[1]} is out of tolerance")
-        if rep.layer_departs and rep.first_bad_layer is not None:
-            i = rep.first_bad_layer
-            what.append(f"layer {i} departs from the reference (hidden-state error {rep.layer_errors[i]:.3g} "
-                        f"free-running; on the reference's input {rep.layer_local_errors[i]:.3g} at worst, "
-                        f"{rep.layer_local_median[i]:.3g} at the median, limits {rep.blame_threshold:.3g} / "
-                        f"{rep.blame_threshold_median:.3g}; {rep.layer_local_routing[i]} routing departures)")
-        if rep.experts_failing:
-            x = rep.experts_failing[0]
-            what.append(f"{len(rep.experts_failing)} expert(s) depart on the probe rows, first layer {x['layer']} "
-                        f"expert {x['expert']} (error {x['error']:.3g})")
-        if rep.tail_departs:
-            what.append(f"the tail departs (final norm error {rep.tail_norm_error:.3g}, lm_head error "
-                        f"{rep.tail_lm_head_error:.3g})")
-        if rep.too_many_forced:
-            what.append(f"routing was forced at true ties on {rep.routing_forced} of {rep.routing_total} "
-                        f"token-layers (more than {MAX_FORCED:.0%})")
-        raise GkError(f"verify failed: {'; '.join(what)}; the first part to depart from the reference is "
-                      f"{rep.culprit or 'not one part alone (the logits as a whole)'}")
+        for rep in reports:
+            _print_verify(rep)
+    for rep in reports:
+        if not rep.ok:
+            raise GkError(rep.failure())
 
 
 def _print_verify(rep) -> None:
     from .verify import EXPERT_TOL, TAIL_TOL, TOLERANCES
 
-    t = Table(title=f"verify ({rep.kv} tolerances: golden KV {rep.golden_kv}, build KV {rep.build_kv})",
+    di = f"; positions 0..{rep.prefilled - 1} prefilled, pulled over NIXL" if rep.prefilled else ""
+    t = Table(title=f"verify ({rep.kv} tolerances: golden KV {rep.golden_kv}, build KV {rep.build_kv}{di})",
               title_justify="left")
     for c in ("pos", "top-1 exact/near/wrong", "max |err| top-5", "top-50", "top-1000", "all", "min cosine", ""):
         t.add_column(c, justify="right")
@@ -447,11 +470,15 @@ def _print_verify(rep) -> None:
 @click.option("--level", type=click.IntRange(1, 19), default=ZSTD_LEVEL, show_default=True,
               help="zstd level for files that compress (decided per file from a sample).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files stored in parallel (default: cores).")
-@click.option("--prune", is_flag=True, help="Folder stores: delete blobs the new index no longer references "
-              "(a fetch of the previous build running at the same time would then fail).")
+@click.option("--prune", is_flag=True, help="Folder and s3:// stores: delete blobs the new index no longer references "
+              "(a fetch of the previous build running at the same time would then fail; skipped while another "
+              "publish holds a lease on the store).")
+@click.option("--sign", "sign", metavar="KEY|sigstore", default=None,
+              help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or "
+                   "'sigstore' for keyless signing with the CI's OIDC identity (needs gkbuild[sign]).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
+def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     """Publish BUILD to DEST: every file hashed against the manifest as it is stored, compressed
     with zstd where that pays, content the store already holds skipped, then the publish index
     written in one step (one commit on the hub), so nobody sees half a build.
@@ -463,7 +490,7 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
     """
     from .publish.publish import publish as run
 
-    rep = run(build_dir, dest, level=level, jobs=jobs, prune=prune, quiet=quiet or as_json)
+    rep = run(build_dir, dest, level=level, jobs=jobs, prune=prune, quiet=quiet or as_json, sign=sign)
     if as_json:
         click.echo(json.dumps(rep, indent=1))
         return
@@ -475,6 +502,16 @@ def publish(build_dir, dest, level, jobs, prune, quiet, as_json):
             f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
             f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
     note(f"{what}; build {rep['build_id'][:16]}", quiet)
+
+
+def _trust_options(f):
+    f = click.option("--trust-issuer", default=None, metavar="URL",
+                     help="The OIDC issuer of keyless --trust identities (default: GitHub Actions', "
+                          "https://token.actions.githubusercontent.com).")(f)
+    return click.option("--trust", "trust", multiple=True, metavar="KEY.pub|IDENTITY",
+                        help="Refuse the build unless one of these signed it (repeatable: key rotation): a public "
+                             "key's PEM file, or a keyless identity such as https://github.com/ORG/REPO/.github/"
+                             "workflows/build-artifacts.yml@refs/tags/build-1 (needs gkbuild[sign]).")(f)
 
 
 def _print_store_table(entries: list[dict], title: str) -> None:
@@ -497,9 +534,10 @@ def _print_store_table(entries: list[dict], title: str) -> None:
 @click.option("--expect", metavar="BUILD_ID", default=None,
               help="Refuse unless the store holds this build (its id, or a prefix of at least 12 hex digits).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Files fetched in parallel.")
+@_trust_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fetch(src, dest, expect, jobs, quiet, as_json):
+def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
     """Fetch the build published at SRC (a folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) into DIR.
 
     Every file is decompressed as it streams in and moved into place only once its sha256 matches
@@ -509,7 +547,10 @@ def fetch(src, dest, expect, jobs, quiet, as_json):
     from .publish.fetch import fetch as run
     from .summary import human_bytes
 
-    rep = run(src, dest, expect=expect, jobs=jobs, quiet=quiet or as_json)
+    from .publish.signing import trust_list
+
+    rep = run(src, dest, expect=expect, jobs=jobs, quiet=quiet or as_json,
+              trust=trust_list(trust, trust_issuer) if trust else None)
     if as_json:
         click.echo(json.dumps(rep, indent=1))
     elif rep["already"]:
@@ -517,7 +558,40 @@ def fetch(src, dest, expect, jobs, quiet, as_json):
     else:
         note(f"fetched build {rep['build_id'][:16]} into {dest}: {rep['fetched_files']} files "
              f"({human_bytes(rep['fetched_bytes'])}, {human_bytes(rep['stored_bytes'])} transferred), "
-             f"{rep['reused_files']} already verified; every file matches the manifest", quiet)
+             f"{rep['reused_files']} already verified; every file matches the manifest"
+             + (f"; signed by {rep['signed_by']}" if rep["signed_by"] else ""), quiet)
+
+
+@cli.command("verify-signature")
+@click.argument("ref", metavar="BUILD|SRC")
+@_trust_options
+@click.option("--json", "as_json", is_flag=True, help="Print what the signature and provenance say as JSON.")
+def verify_signature(ref, trust, trust_issuer, as_json):
+    """Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
+    one of the --trust keys or identities, without fetching any file: the signature must cover
+    exactly its manifest and provenance. Prints who signed it and what the provenance says."""
+    from .pipeline import manifest as mf
+    from .publish import signing
+    from .publish.fetch import read_manifest, read_signed
+    from .publish.stores import open_store
+
+    if not trust:
+        raise GkError("verify-signature: give at least one --trust KEY.pub or identity")
+    trusted = signing.trust_list(trust, trust_issuer)
+    if "://" not in ref and (Path(ref) / mf.NAME).exists():
+        man_bytes = mf.read_bytes(Path(ref))
+        m, signed = mf.parse(man_bytes, f"{ref}/{mf.NAME}"), signing.read_folder(Path(ref))
+    else:
+        store = open_store(ref)
+        idx, m, man_bytes = read_manifest(store)
+        signed = read_signed(store, idx)
+    v = signing.verify(man_bytes, signed, trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
+    d = signing.describe(v)
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+        return
+    note(f"ok: build {m['name']} {m['build_id'][:16]} is signed by {d['signed_by']}; built by {d['builder']} "
+         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]})", False)
 
 
 @cli.command()
@@ -635,6 +709,149 @@ def cache_prune(store, keep):
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
 
+@cli.group()
+def di():
+    """Disaggregated inference: how a prefill engine's KV reaches a build's cache over NIXL."""
+
+
+@di.command("plan")
+@click.argument("target", metavar="BUILD|RECIPE", type=click.Path(path_type=Path))
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill ranks (the model's kv heads split over them).")
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON (every decode rank's reads).")
+def di_plan(target, prefill_tp, overrides, as_json):
+    """The transfer plan of a build (a folder with a manifest: its layout/kv.json) or of a recipe
+    (the kv.json it would write, no weights read): the regions the prefill engine registers
+    (seed 000's native per-layer engine: a [2, blocks, kv/TP, block, d] buffer a layer pair, one
+    region a K or V half), and for every decode rank, layer and half which prefill rank, region,
+    byte offset and length it reads a block from; the SWA N-1 rule as both roles apply it; what
+    converts packed FP8 K, and where."""
+    from .di.plan import transfer_plan
+
+    if target.is_dir():
+        from .di.decode import plan_of
+        from .runtime import Build
+
+        if overrides:
+            raise GkError("--set applies to a recipe, not to a build")
+        build = Build.open(target)
+        try:
+            plan = plan_of(build, prefill_tp)
+        finally:
+            build.close()
+    else:
+        from .pipeline.pipeline import layout_docs
+
+        p, _ = _load_plan(target, overrides, offline_preset=True)
+        doc = json.loads(json.dumps(layout_docs(p)["layout/kv.json"]))
+        plan = transfer_plan(doc, prefill_tp, p.config.sliding_window)
+    if as_json:
+        click.echo(json.dumps(plan, indent=1))
+        return
+    _print_di_plan(plan)
+
+
+def _print_di_plan(plan: dict) -> None:
+    from .plan import group_ranks, rank_ranges
+    from .summary import human_bytes
+
+    d, p = plan["decode"], plan["prefill"]
+    out.print(f"decode: {d['world_size']} ranks, {d['form']} KV ({d['entries']} entries of {d['num_blocks']} blocks), "
+              f"{d['dtype']}{' packed K' if d['packed'] else ''}, block {d['block_size']} x d {d['head_dim']}, "
+              f"{d['kv_heads_per_rank']} kv head(s) a rank, block_len {d['block_len']} B")
+    out.print(f"prefill: TP{p['tp']}, {p['kv_heads_per_rank']} of {p['kv_heads']} kv heads a rank "
+              f"({', '.join(f'rank {i}: {h}' for i, h in enumerate(p['heads_of_rank']))}), {p['layout']}, "
+              f"block_len {p['block_len']} B")
+    t = Table(title="what each layer reads (every decode rank)", title_justify="left")
+    for c in ("layer", "half", "block group", "decode region (entry)", "decode region offset", "prefill region (buffer)"):
+        t.add_column(c, justify="right")
+    regions = d["regions"]
+    for rd in plan["ranks"][0]["reads"]:
+        t.add_row(str(rd["layer"]), rd["half"], rd["group"], f"{rd['decode_region']} ({regions[rd['decode_region']]['entry']})",
+                  human_bytes(rd["decode_region_offset"]), f"{rd['prefill_region']} ({rd['prefill_region'] // 2})")
+    out.print(t)
+    t = Table(title="which prefill rank and bytes of its block fill a decode block", title_justify="left")
+    for c in ("decode ranks", "kv heads", "prefill rank", "prefill offset", "decode offset", "length"):
+        t.add_column(c, justify="right")
+    for grp in group_ranks((r["rank"], {"heads": r["kv_heads"], "segments": r["reads"][0]["segments"]})
+                           for r in plan["ranks"]):
+        for s in grp["segments"]:
+            t.add_row(rank_ranges(grp["ranks"]), str(grp["heads"]), str(s["prefill_rank"]), str(s["prefill_offset"]),
+                      str(s["decode_offset"]), str(s["length"]))
+    out.print(t)
+    out.print(f"bytes of block b: decode {plan['offsets']['decode']}; prefill {plan['offsets']['prefill']}")
+    out.print(f"SWA N-1 rule (window {plan['window']}): prefill {plan['swa']['prefill']}; decode {plan['swa']['decode']}")
+    k = plan["k_conversion"]
+    out.print(f"packed FP8 K: {k['where']} ({k['why']})" if k else "K is not packed: every block is copied as it is")
+
+@cli.command()
+@click.argument("recipe_paths", metavar="RECIPE...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_set_option
+@click.option("--vary", multiple=True, metavar="KEY=[V1, V2]",
+              help="Plan every recipe once per value of KEY (a YAML list), e.g. --vary "
+                   "'decode.batch_sizes=[[1], [8]]'; several --vary options cross.")
+@click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", required=True,
+              help="The compile cache the jobs push to (folder, hf://ORG/NAME, s3://BUCKET/PREFIX); env "
+                   "GKBUILD_COMPILE_CACHE.")
+@click.option("--executor", default="local", show_default=True, metavar="local|ray|ray://HOST:PORT",
+              help="local: processes on this host; ray: the Ray cluster RAY_ADDRESS names (or one on this host, "
+                   "else a new local one); ray://HOST:PORT: a Ray cluster's client address.")
+@click.option("--jobs", "-j", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="local executor: programs compiled at once (a NEFF compile takes tens of GB).")
+@click.option("--retries", type=click.IntRange(0, 10), default=2, show_default=True,
+              help="ray: times Ray reruns a job whose worker died (a compile error is not retried).")
+@click.option("--list", "list_only", is_flag=True, help="Only print the jobs the cache misses; compile nothing.")
+@click.option("--only", metavar="KEY", default=None,
+              help="Run exactly the job of this compile key (as --list prints it; 12+ hex digits): a CI matrix "
+                   "cell.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
+def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_only, only, as_json, quiet):
+    """Compile every program of every RECIPE as independent jobs that meet in the compile cache.
+
+    Plans each program (name, batch size, target, compile key) from the recipe and the model's
+    config alone, skips those STORE already holds and verifies, runs the rest as jobs (each traces
+    and compiles one program in its own folder and pushes it, conditionally, to STORE), and prints
+    one row a job: key, program, recipes, where it ran, seconds, and compiled, cached or failed.
+    Exits 1 if any job failed. Afterwards `gkbuild compile RECIPE --cache STORE` on any host
+    assembles the build without compiling.
+
+    \b
+      gkbuild farm recipes/gpt-oss-120b-trn2.yaml recipes/gpt-oss-120b-trn3.yaml \\
+          --vary 'decode.batch_sizes=[[1, 8], [64]]' --cache s3://my-bucket/gk-cache --executor ray
+      gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --list --json   # the CI matrix
+      gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --only 3f2a9c0d41be  # one cell
+    """
+    from .farm.run import run
+
+    rep = run(list(recipe_paths), cache, list(overrides), list(vary), executor, workers, retries, list_only, only,
+              quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+    elif not quiet:
+        _print_farm(rep, list_only)
+    if not list_only and rep["failed"]:
+        raise GkError(f"farm: {rep['failed']} of {len(rep['jobs'])} jobs failed")
+
+
+def _print_farm(rep: dict, list_only: bool) -> None:
+    colors = {"compiled": "green", "cached": "dim", "failed": "red", "missing": "yellow"}
+    title = (f"{len(rep['jobs'])} of {rep['planned']} programs missing from {rep['cache']}" if list_only else
+             f"farm -> {rep['cache']} ({rep['executor']}): {rep['compiled']} compiled, {rep['cached']} cached, "
+             f"{rep['failed']} failed in {rep['seconds']:.1f} s")
+    t = Table(title=title, title_justify="left")
+    cols = ("key", "program", "batch", "target", "recipes") + (() if list_only else ("where", "seconds")) + ("status",)
+    for c in cols:
+        t.add_column(c, justify="right" if c == "seconds" else "left")
+    for j in rep["jobs"]:
+        status = j["status"] + (f": {j['error']}" if j.get("error") else "")
+        ran = () if list_only else (j["where"], f"{j['seconds']:.1f}")
+        t.add_row(j["key"][:16], j["program"], j["batch_size"], j["target"], ", ".join(j["recipes"]), *ran,
+                  f"[{colors[j['status']]}]{escape(status)}[/]")
+    out.print(t)
+
+
 @cli.command("recipe-doc")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def recipe_doc(as_json):
@@ -666,6 +883,9 @@ def recipe_doc(as_json):
 
 
 def main(argv=None) -> None:
+    for stream in (sys.stdout, sys.stderr):  # names from files are data: a lone surrogate prints escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
     except GkError as e:

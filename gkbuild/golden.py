@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import jsonio
 from .errors import GkError
 from .reference import KvFormat
 
@@ -29,6 +30,8 @@ FORMAT = "gkbuild-golden-3"
 TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap", "final_norm", "expert_inputs", "expert_outputs")
 OLDER = {"gkbuild-golden-1": "no KV format, no router margins",
          "gkbuild-golden-2": "no per-expert probes, no final-norm output"}
+# 4 prompts x 64 positions of the 120b model, with every expert's probe outputs, are ~0.6 GB
+MAX_GOLDEN = 8 << 30
 
 
 def checkpoint_hash(files: list[dict]) -> str:
@@ -61,6 +64,15 @@ class Golden:
         return self.meta.get("prompts")
 
     @property
+    def prompt_len(self) -> int:
+        """The one prompt length of a golden whose prompts all have it (a DI prefill computes
+        every prompt of a set to the same N-1)."""
+        if len(set(self.prompt_lens)) != 1:
+            raise GkError(f"the golden's prompts have lengths {sorted(set(self.prompt_lens))}; a prefill over NIXL "
+                          f"takes prompts of one length")
+        return self.prompt_lens[0]
+
+    @property
     def kv(self) -> KvFormat:
         return KvFormat.from_meta(self.meta["kv"])
 
@@ -87,7 +99,13 @@ class Golden:
 
         from .checkpoint.safetensors_io import read_header
 
-        read_header(Path(path))  # one clear line for a damaged file
+        h = read_header(Path(path))  # one clear line for a damaged file
+        declared = sum(t.nbytes for t in h.tensors.values())
+        if declared > MAX_GOLDEN:  # sized from the header, before a byte is read
+            raise GkError(f"{path}: declares {declared} bytes of tensors; a golden is never over {MAX_GOLDEN}")
+        ints = [k for k in ("token_ids", "routing") if k in h.tensors and h.tensors[k].dtype.name not in ("i64", "i32")]
+        if ints:
+            raise GkError(f"{path}: golden tensor {ints[0]} is {h.tensors[ints[0]].dtype.name}, not integer ids")
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") in OLDER:
@@ -100,7 +118,8 @@ class Golden:
                 raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
             t = {k: f.get_tensor(k) for k in TENSORS}
         try:
-            g = cls(**t, prompt_lens=json.loads(meta["prompt_lens"]), meta=json.loads(meta["meta"]))
+            g = cls(**t, prompt_lens=jsonio.loads(meta["prompt_lens"], f"{path}: golden prompt lengths"),
+                    meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
             g.kv  # noqa: B018 - validates the recorded KV format
         except (KeyError, ValueError, TypeError) as e:
             raise GkError(f"{path}: golden metadata is damaged ({e})") from None

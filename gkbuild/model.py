@@ -7,7 +7,6 @@ Only what gkbuild needs is kept; the rest of a hub config is carried through unt
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from .errors import GkError, shown
 LIMITS = {"num_hidden_layers": 1024, "num_local_experts": 4096, "experts_per_token": 4096, "hidden_size": 1 << 17,
           "intermediate_size": 1 << 17, "num_attention_heads": 1024, "num_key_value_heads": 1024,
           "head_dim": 4096, "vocab_size": 1 << 22, "sliding_window": 1 << 24}
+MAX_CONFIG = 16 << 20  # a config.json is a few KB
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -218,12 +218,12 @@ class GptOssConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> "GptOssConfig":
+        from .jsonio import read
+
         try:
-            d = json.loads(Path(path).read_text())
+            d = read(Path(path), MAX_CONFIG)
         except FileNotFoundError:
             raise GkError(f"{path}: no config.json (not a checkpoint folder?)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise GkError(f"{path}: not valid JSON ({e})") from None
         except IsADirectoryError:
             raise GkError(f"{path}: is a folder, not a config file") from None
         return cls.from_hf(d, where=str(path))

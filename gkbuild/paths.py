@@ -16,6 +16,9 @@ from pathlib import Path
 from .errors import GkError, shown
 
 STATE_DIR = ".gkbuild"
+# Beside a build's manifest: its signature and signed provenance (gkbuild.publish.signing).
+SIGNATURE, PROVENANCE = "manifest.sig", "provenance.json"
+RESERVED = (STATE_DIR, "manifest.json", SIGNATURE, PROVENANCE)
 MAX_PATH = 4096
 
 
@@ -24,14 +27,17 @@ def confined(path: object, where: str) -> str:
     ``..``, no empty or dot components, no backslashes, not the state folder or the manifest."""
     parts = path.split("/") if isinstance(path, str) and len(path) <= MAX_PATH else []
     if (not parts or path.startswith("/") or "\\" in path or "\0" in path
-            or any(p in ("", ".", "..") for p in parts) or parts[0] in (STATE_DIR, "manifest.json")):
+            or any(p in ("", ".", "..") for p in parts) or parts[0] in RESERVED):
         raise GkError(f"{where}: path {shown(path)} would escape the build folder (or is reserved); refused")
     return path
 
 
 def inside(root: Path, rel: str) -> Path:
     """``root/rel`` for a confined ``rel``, refusing if a folder on the way is a symlink or not a
-    folder, or the file itself is a symlink (nothing is written or deleted through a link)."""
+    folder, or the file itself is a symlink (nothing is written or deleted through a link).
+
+    Every write and delete gkbuild makes inside a build, a store or a cache goes through this
+    (and ``create`` for the file itself): a link planted anywhere below ``root`` is refused."""
     p = root
     for part in rel.split("/")[:-1]:
         p = p / part
@@ -41,6 +47,12 @@ def inside(root: Path, rel: str) -> Path:
     if os.path.islink(target):
         raise GkError(f"{target}: is a symlink; refused")
     return target
+
+
+def create(path: Path, mode: int = 0o644) -> int:
+    """A file descriptor of ``path`` opened for writing, created or truncated, never through a
+    symlink at ``path`` itself (a planted or dangling link is refused, not followed)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
 
 
 # Temporaries gkbuild itself writes beside a final name; only these are ever cleaned up.
@@ -61,7 +73,8 @@ def our_temporaries(root: Path) -> list[Path]:
 def marked(folder: Path) -> bool:
     """Whether ``folder`` is a gkbuild build (its state folder says so)."""
     state = folder / STATE_DIR
-    return not os.path.islink(state) and ((state / "build").is_file() or (state / "state.json").is_file())
+    return any(os.path.isfile(p) and not os.path.islink(p) for p in (state / "build", state / "state.json")) \
+        and not os.path.islink(state)
 
 
 def claim(folder: Path) -> None:
@@ -77,8 +90,12 @@ def claim(folder: Path) -> None:
         if first is not None:
             raise GkError(f"{folder}: not empty and not a gkbuild build (holds {first!r}); build into a new "
                           f"or empty folder, or remove it")
-    (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)
-    (folder / STATE_DIR / "build").write_text("a gkbuild build folder: gkbuild compile may rewrite it\n")
+    marker = inside(folder, f"{STATE_DIR}/build")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    for sub in ("weights", "compiled", "layout"):  # what a build writes into: never through a link
+        inside(folder, f"{sub}/x")
+    with os.fdopen(create(marker), "w") as f:
+        f.write("a gkbuild build folder: gkbuild compile may rewrite it\n")
 
 
 @contextlib.contextmanager
@@ -86,7 +103,7 @@ def file_lock(path: Path, wait: bool = True):
     """An exclusive advisory lock held on ``path`` (created if needed) for the block's duration;
     with ``wait`` False, None is yielded at once if another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

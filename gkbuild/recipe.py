@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from .errors import GkError, shown
+from .jsonio import MAX_DEPTH
 from .layout.tail import batch_groups_refusal
 from .layout.dims import MX_TILE, pad_to
 from .layout.kv import FORMS as KV_FORMS
@@ -83,8 +84,8 @@ class KVCache:
     device_reserve_gib: float = _f(DEFAULT_DEVICE_RESERVE_GIB, "device memory per rank held back for the compiled "
                                    "programs and their scratch, GiB: it comes out of what memory_utilization leaves "
                                    "free, else out of the KV")
-    k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale); folded into softmax_scale")
-    v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale); folded into W_out")
+    k_scale: float = _f(1.0, "FP8 K dequant scale (K = stored * k_scale), 2^-24..2^24; folded into softmax_scale")
+    v_scale: float = _f(1.0, "FP8 V dequant scale (V = stored * v_scale), 2^-24..2^24; folded into W_out")
 
 
 @dataclass
@@ -139,6 +140,11 @@ class Compile:
                             "NeuronCore needed (AWS-documented); device: torch_neuronx.trace on a NeuronCore; "
                             "xla-cpu: torch-xla on PJRT_DEVICE=CPU + the neuronx-cc CLI (undocumented, unverified)",
                     ("host", "device", "xla-cpu"))
+    job_cpus: typing.Optional[int] = _f(None, "CPUs a gkbuild farm job asks its cluster for, one program "
+                                              "(default: 1 for cpu/cuda, 8 for trn2/trn3)")
+    job_memory_gib: typing.Optional[float] = _f(None, "memory a gkbuild farm job asks its cluster for, in GiB "
+                                                      "(default: 3 for cpu/cuda, 64 for trn2/trn3: a full-model "
+                                                      "NEFF compile takes tens of GB)")
 
 
 @dataclass
@@ -173,6 +179,14 @@ class Recipe:
     @property
     def backend(self) -> str:
         return "neuron" if self.target in NEURON_TARGETS else "inductor"
+
+    @property
+    def job_resources(self) -> tuple[int, int]:
+        """(CPUs, memory bytes) a farm job of this recipe asks its cluster for."""
+        neuron = self.backend == "neuron"
+        cpus = self.compile.job_cpus or (8 if neuron else 1)
+        gib = self.compile.job_memory_gib or (64 if neuron else 3)
+        return cpus, int(gib * (1 << 30))
 
     def output_dir(self, cwd: Path | None = None) -> Path:
         p = Path(self.output) if self.output else Path("artifacts") / self.name
@@ -244,8 +258,10 @@ class Recipe:
                 if v != "host":
                     bad(key, v, f"the {self.target} programs take the embedded x and cos/sin; use host "
                                 f"(fused forms are the GK decode's, trn2/trn3)")
-        if kv.k_scale <= 0 or kv.v_scale <= 0:
-            bad("kv_cache.k_scale/v_scale", (kv.k_scale, kv.v_scale), "scales must be positive")
+        for key, s in (("kv_cache.k_scale", kv.k_scale), ("kv_cache.v_scale", kv.v_scale)):
+            if not SCALE_RANGE[0] <= s <= SCALE_RANGE[1]:
+                bad(key, s, f"an FP8 dequant scale is in {SCALE_RANGE[0]:g}..{SCALE_RANGE[1]:g} (it is folded "
+                            f"into bf16 weights and fp32 softmax scales)")
         self._validate_compile(bad)
         bs = self.decode.batch_sizes
         if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
@@ -254,6 +270,10 @@ class Recipe:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
                                              f"(every rank holds at least one token)")
+            if self.decode.embedding == "hidden" and b // t.dp > 128:
+                bad("decode.batch_sizes", b, f"decode.embedding: hidden gathers a DP replica's {b // t.dp} tokens into "
+                                             f"one SBUF tile of at most 128 rows (the fork F's prologue): use vocab or "
+                                             f"host, or more DP replicas")
         return self
 
     def _validate_compile(self, bad) -> None:
@@ -272,6 +292,10 @@ class Recipe:
             names.append(sw.partition("=")[0])
         if len(set(names)) != len(names):
             bad("compile.kernel_switches", c.kernel_switches, "each switch once")
+        if c.job_cpus is not None and c.job_cpus < 1:
+            bad("compile.job_cpus", c.job_cpus, "expected a positive number of CPUs")
+        if c.job_memory_gib is not None and not 0 < c.job_memory_gib <= 1 << 20:
+            bad("compile.job_memory_gib", c.job_memory_gib, "expected a positive size in GiB")
 
     def check_against(self, cfg: GptOssConfig) -> "Recipe":
         """Reject a topology the model cannot be split into, naming the key and the valid values."""
@@ -317,20 +341,31 @@ MAX_RECIPE = 1 << 20  # bytes; a recipe is a few hundred
 LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cache.block_size": 1 << 16,
           "kv_cache.num_blocks": 1 << 30, "kv_cache.hbm_per_rank_gib": 1 << 16, "tail.k": 1 << 16,
           "topology.tp": 1 << 12, "topology.dp": 1 << 12, "topology.ep": 1 << 16, "topology.vtp": 1 << 16,
-          "topology.hops": 1 << 16, "topology.a2a_batch_groups": 1 << 16}
+          "topology.hops": 1 << 16, "topology.a2a_batch_groups": 1 << 16, "kv_cache.device_reserve_gib": 1 << 16}
+# FP8 dequant scales: far outside this, a fold overflows or flushes bf16 weights.
+SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes) and without
-    duplicate keys (the last one would win silently)."""
+    """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes), nested at
+    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), and without duplicate
+    keys (the last one would win silently)."""
+
+    depth = 0
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            ev = self.peek_event()
+        ev = self.peek_event()
+        if isinstance(ev, yaml.AliasEvent):
             raise GkError(f"line {ev.start_mark.line + 1}: YAML aliases (*{ev.anchor[:40]}) are not "
                           f"allowed in a recipe")
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            raise GkError(f"line {ev.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -452,6 +487,11 @@ def apply_overrides(data: dict, overrides: list[str], where) -> dict:
 
 def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
+    return loads(read_text(path), path, overrides)
+
+
+def read_text(path: Path) -> str:
+    """A recipe file's text: at most ``MAX_RECIPE`` bytes of UTF-8."""
     try:
         if path.is_dir():
             raise GkError(f"{path}: is a folder, not a recipe file")
@@ -465,6 +505,11 @@ def load(path: Path | str, overrides: list[str] = ()) -> Recipe:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise GkError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return text
+
+
+def loads(text: str, path: Path, overrides: list[str] = ()) -> Recipe:
+    """A recipe from its text; ``path`` names it in errors and anchors its relative paths."""
     data = parse_yaml(text, path)
     if overrides:
         if not isinstance(data, dict):

@@ -68,15 +68,21 @@ class KvFormat:
         m = FP8_MAX[self.dtype]
         return (x * (1.0 / scale)).clamp(-m, m) * scale
 
-    def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        """What later tokens read back. Both FP8 formats are carried by float8_e4m3fn: after the
-        clamp to the format's max their values are bit-identical."""
+    def encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """The values a cache of this format holds: bf16, or FP8 of x / scale saturated at the
+        format's max (both FP8 formats carried by float8_e4m3fn: after the clamp their values
+        are bit-identical); fp32 as it is."""
         if self.dtype == "fp32":
             return x
         if self.dtype == "bf16":
-            return x.to(torch.bfloat16).to(x.dtype)
+            return x.to(torch.bfloat16)
         m = FP8_MAX[self.dtype]
-        return (x * (1.0 / scale)).clamp(-m, m).to(torch.float8_e4m3fn).to(x.dtype) * scale
+        return (x * (1.0 / scale)).clamp(-m, m).to(torch.float8_e4m3fn)
+
+    def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """What later tokens read back: the encoded value, dequantized."""
+        e = self.encode(x, scale).to(x.dtype)
+        return e * scale if self.fp8 else e
 
     def to_meta(self) -> dict:
         return {"dtype": self.dtype, "k_scale": self.k_scale, "v_scale": self.v_scale}
@@ -90,14 +96,17 @@ class _Cache:
     """One layer-indexed KV cache over the sequences, rounded on write. transformers' attention
     calls ``update``; the rounding-aware attention reads ``active`` (this call's own K/V)."""
 
-    def __init__(self, fmt: KvFormat):
+    def __init__(self, fmt: KvFormat, on_kv=None):
         self.fmt = fmt
+        self.on_kv = on_kv
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.active: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         f = self.fmt
+        if self.on_kv is not None:
+            self.on_kv(layer_idx, key_states, value_states)
         self.active = (f.active(key_states, f.k_scale), f.active(value_states, f.v_scale))
         k, v = f.stored(key_states, f.k_scale), f.stored(value_states, f.v_scale)
         if layer_idx in self.k:
@@ -247,14 +256,16 @@ def probe_rows(hidden: int, n: int = PROBES, seed: int = 0) -> torch.Tensor:
 
 
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
-        quiet: bool = True) -> dict[str, torch.Tensor]:
+        quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
     """Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
     tokens, layer by layer: one pass for the prompts' common prefix, one a position after it.
     Returns ``token_ids`` [P, T], ``logits`` [P, T, V], ``hidden`` [P, L, T, H] (after every
     layer), ``routing`` [P, L, T, k] (the experts chosen), ``router_gap`` [P, L, T] (the margin
     between the k-th and (k+1)-th router logits), ``final_norm`` [P, T, H] (the final RMSNorm's
     output: the lm_head's input), ``expert_inputs`` [n, H] and ``expert_outputs`` [L, E, n, H]
-    (every expert of every layer on the probe rows)."""
+    (every expert of every layer on the probe rows).
+    ``on_kv(layer, k, v)`` sees each pass's new K (after RoPE) and V [P, kv heads, n, d] before
+    the cache rounds them (a DI prefill writes them in its own layout)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -279,7 +290,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
         ids = torch.tensor([p[:common] for p in prompts], dtype=torch.int64)
         probe = probe_rows(cfg.hidden_size).to(device)
         head = _LmHead(ck, V, keep=T > common)
-        cache = _Cache(kv)
+        cache = _Cache(kv, on_kv)
         new, chunks, probed = ids, [], []
         passes = T - common + 1
         with torch.no_grad(), steps_bar("reference", passes * L, quiet) as advance:

@@ -13,14 +13,15 @@ copy-on-write and returns torch tensors that share those pages.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, jsonio
 from .pipeline import manifest as mf
 from .checkpoint.safetensors_io import MappedFile, read_header
 from .errors import GkError, shown
@@ -74,21 +75,31 @@ class KvBuffers:
 
 
 class Build:
-    def __init__(self, root: Path, manifest: dict, verify: str = "hash"):
+    def __init__(self, root: Path, manifest: dict, verify: str = "hash", digest: str | None = None):
         self.root = root
         self.manifest = manifest
         self.verify = verify
+        self.digest = digest or hashlib.sha256(mf.canonical(manifest)).hexdigest()  # what a remembered hash vouches for
         self._files = {f["path"]: f for f in manifest["files"]}
         self._maps: dict[str, MappedFile] = {}
         self._checked: set[str] = set()
 
     @classmethod
     def open(cls, path: Path | str, target: str | None = None, world_size: int | None = None,
-             verify: str = "hash", expect_build_id: str | None = None) -> "Build":
+             verify: str = "hash", expect_build_id: str | None = None, trust: list | None = None) -> "Build":
+        """``trust``: public key files and keyless identities (``gkbuild.publish.signing.trust_list``),
+        one of which must have signed this manifest (its ``manifest.sig``), else the build is refused
+        before anything else is read."""
         root = Path(path)
         if verify not in VERIFY:
             raise GkError(f"verify={verify!r}: expected one of {', '.join(VERIFY)}")
-        m = mf.load(root)
+        man_bytes = mf.read_bytes(root)
+        m = mf.parse(man_bytes, str(root / mf.NAME))
+        if trust is not None:
+            from .publish import signing
+
+            signing.verify(man_bytes, signing.read_folder(root), signing.trust_list(trust),
+                           f"{root} (build {m['name']} {m['build_id'][:16]})")
         if expect_build_id is not None:
             want = str(expect_build_id).lower()
             if len(want) < 12 or not m["build_id"].startswith(want):
@@ -105,7 +116,7 @@ class Build:
         if world_size is not None and world_size != world:
             raise GkError(f"{root}: built for {world} ranks (TP{m['topology']['tp']} x DP{m['topology']['dp']}), "
                           f"this runtime has {world_size}")
-        return cls(root, m, verify)
+        return cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest())
 
     @property
     def world_size(self) -> int:
@@ -133,11 +144,12 @@ class Build:
             from .pipeline.fingerprint import Fingerprints, sha256_file
 
             fps = Fingerprints(cache_root())
-            digest = fps.lookup(p)
+            digest = fps.lookup(p, scope=self.digest)
             if digest is None:
                 digest = sha256_file(p)
-                fps.remember(p, digest)
-                fps.save()
+                fps.remember(p, digest, scope=self.digest)
+                with contextlib.suppress(OSError):  # a read-only cache: the file is simply hashed again next time
+                    fps.save()
             if digest != entry["sha256"]:
                 raise GkError(f"{p}: refused: sha256 {digest[:16]}... is not the manifest's {entry['sha256'][:16]}... "
                               f"(the file changed since it was built; run gkbuild check)")
@@ -220,10 +232,7 @@ class Build:
     def layout_doc(self, kind: str) -> dict:
         """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard."""
         p = self.file(self.manifest["layout"][kind]["file"])
-        try:
-            doc = json.loads(p.read_bytes())
-        except (ValueError, OSError) as e:
-            raise GkError(f"{p}: not readable JSON ({str(e)[:80]})") from None
+        doc = jsonio.read(p, mf.MAX_MANIFEST)
         if not isinstance(doc, dict):
             raise GkError(f"{p}: not a JSON object")
         return doc

@@ -34,7 +34,7 @@ The report names the first layer that departs on its own, or the tail's part.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -141,10 +141,37 @@ class Report:
     router_margin: list[dict] = field(default_factory=list)  # per layer: the reference's min / median margin
     texts: list[dict] = field(default_factory=list)  # per sequence: prompt, reference and build continuations
     unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
+    prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
 
     @property
     def too_many_forced(self) -> bool:
         return self.routing_forced > max(MAX_FORCED * self.routing_total, MIN_FORCED)
+
+    def failure(self) -> str:
+        """What failed, in one line: the positions out of tolerance, the first part that departs on
+        its own (a layer, an expert, the tail), too many forced routings."""
+        what = []
+        if self.first_failure:
+            what.append(f"sequence {self.first_failure[0]} position {self.first_failure[1]} is out of tolerance")
+        if self.layer_departs and self.first_bad_layer is not None:
+            i = self.first_bad_layer
+            what.append(f"layer {i} departs from the reference (hidden-state error {self.layer_errors[i]:.3g} "
+                        f"free-running; on the reference's input {self.layer_local_errors[i]:.3g} at worst, "
+                        f"{self.layer_local_median[i]:.3g} at the median, limits {self.blame_threshold:.3g} / "
+                        f"{self.blame_threshold_median:.3g}; {self.layer_local_routing[i]} routing departures)")
+        if self.experts_failing:
+            x = self.experts_failing[0]
+            what.append(f"{len(self.experts_failing)} expert(s) depart on the probe rows, first layer {x['layer']} "
+                        f"expert {x['expert']} (error {x['error']:.3g})")
+        if self.tail_departs:
+            what.append(f"the tail departs (final norm error {self.tail_norm_error:.3g}, lm_head error "
+                        f"{self.tail_lm_head_error:.3g})")
+        if self.too_many_forced:
+            what.append(f"routing was forced at true ties on {self.routing_forced} of {self.routing_total} "
+                        f"token-layers (more than {MAX_FORCED:.0%})")
+        di = f" (decoding from position {self.prefilled} on KV pulled over NIXL)" if self.prefilled else ""
+        return (f"verify failed{di}: {'; '.join(what)}; the first part to depart from the reference is "
+                f"{self.culprit or 'not one part alone (the logits as a whole)'}")
 
     def to_dict(self) -> dict:
         """The report as strict JSON values (a non-finite number, e.g. from a build that makes NaN,
@@ -167,7 +194,7 @@ class Report:
                 "tail": {"norm_error": self.tail_norm_error, "lm_head_error": self.tail_lm_head_error,
                          "tolerance": TAIL_TOL, "departs": self.tail_departs},
                 "position_errors": self.position_errors, "router_margin": self.router_margin, "texts": self.texts,
-                "unmodeled_switches": self.unmodeled,
+                "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -218,7 +245,9 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 
     rep = Report(reports, first is None, kv, first)
     rep.max_abs_err = max(s.max_err[None] for s in reports)
     rep.min_cosine = min(s.min_cosine for s in reports)
-    rep.position_errors = (logits - ref).abs().amax(-1).tolist()
+    err = (logits - ref).abs().amax(-1)
+    err[:, :steps_from] = float("nan")  # not the build's (a DI prefill's): null in the report
+    rep.position_errors = err.tolist()
     return rep
 
 
@@ -235,15 +264,40 @@ def unmodeled_switches(m: dict) -> list[str]:
     return sorted({s for a in m["compile"]["artifacts"] for s in lossy_on(a.get("kernel") or {})})
 
 
+def check_prefill(engine: str) -> None:
+    """A DI verify can run here: the decode on this host (twins or compiled programs) and NIXL
+    installed; else one line, before any work."""
+    from .di.nixl import api
+
+    if engine == "neuron":
+        raise GkError("--prefill nixl decodes through the twins or the compiled programs on this host, not "
+                      "--engine neuron")
+    api()
+
+
+def _check_ids(g, model: dict) -> None:
+    """Token and expert ids from a golden file index tables: in range, or one line."""
+    V, E = model["vocab_size"], model["num_local_experts"]
+    k = model.get("num_experts_per_tok", model.get("experts_per_token"))
+    for what, ids, top in (("token id", g.token_ids, V), ("routing expert id", g.routing, E)):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= top):
+            raise GkError(f"the golden's {what}s reach {int(ids.max())} (min {int(ids.min())}); the build's model has "
+                          f"{top}")
+    if g.routing.shape[-1] != k:
+        raise GkError(f"the golden routes to {g.routing.shape[-1]} experts a token; the build's model to {k}")
+
+
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         texts: list[str] | None = None, chat: bool = False, engine: str = "twin", loose: bool = False,
-        other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu") -> Report:
+        other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu", prefill=None) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
     when none is given: from ``texts`` through the checkpoint's tokenizer, else random token ids),
     running it through the torch twins (``kernels.replay``, every rank emulated), (``engine=
     "compiled"``) its compiled .pt2 programs, or (``engine="neuron"``, on a Trainium host) its NEFFs
     on the NeuronCores. ``other_checkpoint`` accepts a golden made from another checkpoint than the
-    build's source (to hold a build of an edited checkpoint to the original model)."""
+    build's source (to hold a build of an edited checkpoint to the original model). ``prefill``
+    (``di.decode.Prefill``): the prompts' first N-1 positions come from a prefill engine over NIXL
+    (``di.decode.pull``); the build then decodes step by step, and is judged, from position N-1 on."""
     from .golden import Golden, checkpoint_hash
     from .runtime import Build
 
@@ -252,6 +306,8 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     build = Build.open(build_dir)
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
+    if prefill is not None:
+        check_prefill(engine)  # before a golden is computed
     if engine == "neuron":
         from .compile import neuron_run
 
@@ -272,6 +328,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if g.logits.shape[-1] != cfg["vocab_size"] or L != cfg["num_hidden_layers"] or g.hidden.shape[-1] != cfg["hidden_size"] \
             or g.expert_outputs.shape[1] != cfg["num_local_experts"]:
         raise GkError("the golden's model (vocabulary, layers, hidden size or experts) does not match the build's")
+    _check_ids(g, m["model"])
     if P > batch:
         raise GkError(f"the golden has {P} sequences; the build decodes batches of at most {batch}")
     if engine == "neuron":
@@ -280,11 +337,15 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
 
     heap.reuse_large_blocks()
     try:
-        ours, facts = (_replay if engine == "twin" else _stepwise)(build, g, batch, engine, device, quiet)
+        if prefill is None and engine == "twin":
+            ours, facts, t0 = *_replay(build, g, batch, engine, device, quiet), 0
+        else:
+            ours, facts, t0 = _stepwise(build, g, batch, engine, device, quiet, prefill)
     finally:
         build.close()
-    rep = compare(ours, g.logits, kv)
+    rep = compare(ours, g.logits, kv, steps_from=t0)
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
+    rep.prefilled = t0
     _judge(rep, g, facts, kv)
     rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
     rep.unmodeled = unmodeled_switches(m)
@@ -377,25 +438,32 @@ def _replay(build, g, batch: int, engine: str, device: str, quiet: bool):
     return logits.transpose(0, 1), f
 
 
-def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool):
-    """The compiled programs (world size 1) step by step, as a runtime drives them: logits [P, T, V]
-    and the facts (no local stream: the program runs every layer at once)."""
+def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefill=None):
+    """Decode steps as a runtime drives them (the compiled programs, world size 1, or the twins after
+    a DI prefill): logits [P, T, V], the facts (no local stream: a step runs every layer at once)
+    and the first position decoded (N-1 after a prefill, else 0)."""
     from .kernels.decode import RoutingGuide
     from .kernels.driver import Session
     from .kernels.replay import live_rows, probe_experts
 
     if device != "cpu":
-        raise GkError("--engine compiled runs the build's cpu programs; use --engine twin with --device cuda")
+        raise GkError(f"{'--prefill nixl' if prefill is not None else '--engine compiled'} runs on the cpu here; "
+                      f"use --engine twin with --device cuda")
     P, T = g.token_ids.shape
     L = g.hidden.shape[1]
-    rows = live_rows(batch, 1, P)
+    rows = live_rows(batch, build.manifest["topology"]["dp"], P)
     pick = torch.zeros(batch, dtype=torch.int64)  # the rows without a sequence run sequence 0's tokens
     pick[rows] = torch.arange(P)
     session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
-    ours = torch.empty(P, T, g.logits.shape[-1])
+    t0 = 0
+    if prefill is not None:
+        from .di.decode import pull
+
+        t0 = pull(build, session, g.token_ids[:, :g.prompt_len].tolist(), pick, prefill, quiet)
+    ours = torch.zeros(P, T, g.logits.shape[-1])
     f = _empty_facts(P, T, L, g, local=False)
-    with steps_bar("verify", T * L, quiet) as advance:
-        for t in range(T):
+    with steps_bar("verify", (T - t0) * L, quiet) as advance:
+        for t in range(t0, T):
             guide = RoutingGuide(g.routing[pick, :, t].transpose(0, 1), g.router_gap[pick, :, t].T, TIE)
             res = session.step(g.token_ids[pick, t], collect_hiddens=True, guide=guide,
                                on_layer=lambda i, t=t: advance(1, f"position {t + 1}/{T}, layer {i + 1}/{L}"))
@@ -405,7 +473,7 @@ def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool):
     for i in range(L):
         f.probes[i] = probe_experts(session, i, g.expert_inputs)
     f.norm, f.lm_head = _tail_check(session, g)
-    return ours, f
+    return ours, f, t0
 
 
 def _empty_facts(P: int, T: int, L: int, g, local: bool) -> _Facts:
@@ -427,6 +495,10 @@ def _tail_check(session, g) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _judge(rep: Report, g, f: _Facts, kv: str) -> None:
     """Fill the report from the facts and decide: which part departs first, and the verdict."""
+    t0 = rep.prefilled  # positions before it are a DI prefill's, not the build's
+    if t0:
+        f = replace(f, errors=f.errors[:, t0:], departed=f.departed[:, t0:], forced=f.forced[:, t0:],
+                    norm=f.norm[:, t0:], lm_head=f.lm_head[:, t0:])
     P, T, L = f.errors.shape
     local = f.local if f.local is not None else f.errors
     local_departed = f.local_departed if f.local_departed is not None else f.departed
@@ -503,6 +575,3 @@ def _on_neuron(build, g, batch: int, kv: str) -> Report:
         ours[p] = mine[worst]
     return compare(ours, g.logits, kv)
 
-
-def _worse(candidate: torch.Tensor, current: torch.Tensor, ref: torch.Tensor) -> bool:
-    return float((candidate - ref).abs().max()) > float((current - ref).abs().max())

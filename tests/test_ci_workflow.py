@@ -1,10 +1,15 @@
 """The GitHub Actions workflow: it parses, runs compile -> verify (stored golden) -> check ->
-publish in that order, every gkbuild command in it is valid for this CLI, and the defaults it
-names exist and pass (the stored golden still verifies the default recipe's build)."""
+publish in that order, fans the compile farm out over the programs `farm --list --json` names
+(one matrix cell a compile key, `farm --only KEY`) before the build assembles from the cache,
+every gkbuild command in it is valid for this CLI, and the defaults it names exist and pass (the
+stored golden still verifies the default recipe's build)."""
 
+import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -28,7 +33,8 @@ def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     """Every gkbuild invocation in the job's run steps, env references filled with sample values."""
     job = wf["jobs"][job]
     env = {"RECIPE": "recipes/tiny-cpu.yaml", "GOLDEN": "goldens/tiny.safetensors", "OUT": "artifacts/x",
-           "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff"}
+           "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff", "KEY": "0123456789abcdef",
+           "SIGNER": "https://github.com/org/gk/.github/workflows/build-artifacts.yml@refs/tags/build-1"}
     cmds = []
     for step in job["steps"]:
         for line in step.get("run", "").splitlines():
@@ -73,8 +79,57 @@ def test_the_trainium_job_fetches_the_published_build_and_verifies_its_neffs():
                for s in wf["jobs"]["build"]["steps"])
 
 
-def test_every_gkbuild_command_in_the_workflow_parses():
-    for args in _commands(_workflow()) + _commands(_workflow(), "verify-on-trainium"):
+def test_the_farm_fans_out_over_the_missing_programs_then_the_build_assembles(tmp_path):
+    wf = _workflow()
+    jobs = wf["jobs"]
+    plan, farm, build = jobs["plan"], jobs["farm"], jobs["build"]
+    assert [c[0] for c in _commands(wf, "plan")] == ["farm"] and "--list" in _commands(wf, "plan")[0]
+    assert "--json" in _commands(wf, "plan")[0]
+    listing = next(s for s in plan["steps"] if s.get("id") == "list")
+    assert plan["outputs"]["keys"] == "${{ steps.list.outputs.keys }}"
+    assert "jq -c '[.jobs[].key]'" in listing["run"] and 'echo "keys=[]"' in listing["run"]
+    # one matrix cell a key the plan listed, each running exactly that job
+    assert farm["needs"] == "plan" and farm["if"] == "needs.plan.outputs.keys != '[]'"
+    assert farm["strategy"]["matrix"]["key"] == "${{ fromJSON(needs.plan.outputs.keys) }}"
+    assert farm["env"]["KEY"] == "${{ matrix.key }}"
+    (cell,) = _commands(wf, "farm")
+    assert cell[0] == "farm" and cell[cell.index("--only") + 1] == "0123456789abcdef"
+    # the build runs after the farm (or when it was skipped: nothing missing, or no cache) and reads the cache
+    assert build["needs"] == ["plan", "farm"] and "needs.farm.result == 'skipped'" in build["if"]
+    for job in (plan, farm, build):
+        assert job["env"]["GKBUILD_COMPILE_CACHE"] == "${{ vars.GKBUILD_COMPILE_CACHE }}"
+    # what the plan step feeds the matrix, from the real command: 64-hex keys each --only accepts
+    store = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "gkbuild", *_commands(wf, "plan")[0]], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, GKBUILD_COMPILE_CACHE=str(store)))
+    assert r.returncode == 0, r.stderr
+    keys = [j["key"] for j in json.loads(r.stdout)["jobs"]]
+    assert len(keys) == 2 and all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys)
+    for k in keys:
+        cli.commands["farm"].make_context("farm", [*cell[1:cell.index("--only") + 1], k, "--cache", str(store)])
+
+
+def test_the_build_is_signed_keyless_by_the_runner_and_the_fetching_job_trusts_that_identity():
+    wf = _workflow()
+    assert wf["permissions"]["id-token"] == "write"  # the runner may ask GitHub for its OIDC token
+    publish = _commands(wf)[3]
+    assert publish[publish.index("--sign") + 1] == "sigstore"
+    job = wf["jobs"]["verify-on-trainium"]
+    fetch = _commands(wf, "verify-on-trainium")[0]
+    assert fetch[fetch.index("--trust") + 1] == "https://github.com/org/gk/.github/workflows/build-artifacts.yml@" \
+                                                 "refs/tags/build-1"
+    # the identity Sigstore certifies for a GitHub workflow: its file at the ref it ran for
+    assert job["env"]["SIGNER"] == ("https://github.com/${{ github.repository }}/.github/workflows/"
+                                    f"{WORKFLOW.name}@${{{{ github.ref }}}}")
+    assert "--trust-issuer" not in fetch  # GitHub Actions' issuer is the default
+    from gkbuild.publish.signing import GITHUB_ISSUER, trust_list
+
+    assert trust_list([fetch[fetch.index("--trust") + 1]])[0].issuer == GITHUB_ISSUER
+
+
+def test_every_gkbuild_command_in_the_workflow_parses(monkeypatch):
+    monkeypatch.setenv("GKBUILD_COMPILE_CACHE", "s3://bucket/cache")  # as the jobs' env gives it
+    for args in [c for job in ("build", "verify-on-trainium", "plan", "farm") for c in _commands(_workflow(), job)]:
         cmd = cli.commands[args[0]]
         cmd.make_context(args[0], list(args[1:]))  # raises click.UsageError on an unknown option
 

@@ -207,7 +207,7 @@ def test_plan_cli_against_a_hub_cache(tmp_path):
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text(commit)
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--json", env=env)
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--json", env=env)
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     j = json.loads(r.stdout)
@@ -215,7 +215,7 @@ def test_plan_cli_against_a_hub_cache(tmp_path):
     assert j["kv"]["bytes_per_rank"] == 36 * 2 * 14563 * 8192
     # without the cache: the built-in config, said out loud
     shutil.rmtree(tmp_path / "hub")
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--json", env=env)
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--json", env=env)
     assert r.returncode == 0 and "planning with the built-in gpt-oss-120b config" in r.stderr
     assert json.loads(r.stdout)["ranks"] == 128
 

@@ -8,7 +8,6 @@ weight files the index names (the hub repos also carry ``original/`` and ``metal
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +107,9 @@ def resolve(uri: str) -> tuple[HubRef, Path]:
     snap = _download(ref, ["config.json", INDEX])
     index = snap / INDEX
     if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise GkError(f"{ref.uri}: {INDEX} is not a valid safetensors index") from None
+        from .reader import read_index
+
+        files = sorted(set(read_index(index, f"{ref.uri}/{INDEX}").values()))
     else:
         files = [SINGLE]
     bad = [f for f in files if Path(f).name != f]

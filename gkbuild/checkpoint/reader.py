@@ -7,12 +7,12 @@ checkpoint tensor by tensor keeps memory flat.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .. import jsonio
 from ..errors import GkError
 from ..model import GptOssConfig
 from . import names
@@ -93,9 +93,12 @@ class Checkpoint:
         names the file and tensor.
         """
         info = self.info(name)
-        arr = self._map(info).array(info)
+        m = self._map(info)
+        arr = m.array(info)
         if lo is not None:
             arr = arr[lo:hi]
+        row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
+        m.populate(info.offset + (lo or 0) * row, arr.nbytes)
         if (name, lo, hi) not in self._checked:  # the reference reads a layer's tensors once a pass
             where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             if name.endswith("_scales"):
@@ -163,16 +166,18 @@ def _read_index(root: Path) -> dict[str, str] | None:
     p = root / INDEX
     if not p.exists():
         return None
-    if not p.is_file() or p.stat().st_size > MAX_INDEX:
-        raise GkError(f"{p}: not a safetensors index (a folder, or over {MAX_INDEX} bytes)")
-    try:
-        obj = json.loads(p.read_text())
-        wm = obj["weight_map"]
-        if not isinstance(wm, dict):
-            raise TypeError
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise GkError(f"{p}: not a valid safetensors index (needs a 'weight_map' object)") from None
-    return {str(k): str(v) for k, v in wm.items()}
+    if not p.is_file():
+        raise GkError(f"{p}: not a safetensors index (a folder)")
+    return read_index(p, str(p))
+
+
+def read_index(p: Path, where: str) -> dict[str, str]:
+    """A safetensors index's weight map (tensor -> file), bounded and checked."""
+    obj = jsonio.read(p, MAX_INDEX, where)
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise GkError(f"{where}: not a valid safetensors index (needs a 'weight_map' object of file names)")
+    return wm
 
 
 def weight_files(root: Path) -> list[str]:

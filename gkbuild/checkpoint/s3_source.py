@@ -16,18 +16,18 @@ what was recorded; an interrupted download leaves only a ``.partial`` file, redo
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import s3
-from ..errors import GkError
+from ..errors import GkError, shown
+from ..paths import create, file_lock
 from ..pipeline.fingerprint import Fingerprints
-from ..pipeline.state import write_json_atomic
+from ..pipeline.state import read_json_record, write_json_atomic
 from ..progress import Advance, warn
-from .reader import INDEX, SINGLE
+from .reader import INDEX, SINGLE, read_index
 from .source import cache_root
 
 RANGE = 32 << 20  # bytes a ranged GET reads
@@ -41,6 +41,18 @@ def cache_dir(ref: s3.S3Ref) -> Path:
     return cache_root() / "s3" / ref.bucket / (ref.prefix or "_root")
 
 
+def _record_problem(d) -> str | None:
+    """Why a mirror record is not one this module wrote (it is then set aside, never trusted)."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    for name, r in d.items():
+        ok = (isinstance(r, dict) and isinstance(r.get("etag"), str) and isinstance(r.get("sha256"), str)
+              and all(isinstance(r.get(k), int) and not isinstance(r[k], bool) for k in ("size", "mtime_ns")))
+        if not ok:
+            return f"the entry for {shown(name)} is malformed"
+    return None
+
+
 class _Mirror:
     """One source's local cache: what was verified (name -> etag, size, mtime_ns, sha256)."""
 
@@ -48,11 +60,7 @@ class _Mirror:
         self.ref, self.uri = s3.parse(uri), uri
         self.dir = cache_dir(self.ref)
         self.fs = s3.filesystem()
-        try:
-            self.record = json.loads((self.dir / RECORD).read_text())
-            assert isinstance(self.record, dict)
-        except (OSError, ValueError, AssertionError):
-            self.record = {}
+        self.record = read_json_record(self.dir / RECORD, _record_problem) or {}
         self.lock = threading.Lock()
         self.fps = Fingerprints(cache_root())
 
@@ -75,36 +83,52 @@ class _Mirror:
         if limit is not None and obj["size"] > limit:
             raise GkError(f"source {self.uri}/{name}: {obj['size']} bytes; refusing to read more than {limit}")
         local = self.dir / name
-        rec = self.record.get(name)
-        if rec and rec.get("etag") == obj["ETag"] and rec.get("size") == obj["size"] and local.is_file():
-            st = local.stat()
-            if [st.st_size, st.st_mtime_ns] == [rec["size"], rec["mtime_ns"]]:
-                return local
+        if self._cached(name, obj, local):
+            return local
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.{os.getpid()}.partial"
-        try:
-            with s3.errors(self.uri):
-                head = self.fs.call_s3("head_object", Bucket=self.ref.bucket, Key=self.ref.key(name))
-                if head["ETag"] != obj["ETag"] or head["ContentLength"] != obj["size"]:
-                    raise GkError(f"source {self.uri}/{name}: changed while being read; run again")
-                self._download(name, obj, tmp, advance)
-                sha = self._verify(name, head, tmp)
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with file_lock(self.dir / f".{name}.lock"):  # one download of a file at a time, across processes
+            if self._cached(name, obj, local):  # another process got it meanwhile
+                return local
+            for stale in self.dir.glob(f".{name}.*.partial"):  # a killed download's (we hold the lock)
+                stale.unlink()
+            tmp = self.dir / f".{name}.{os.getpid()}.partial"
+            try:
+                with s3.errors(self.uri):
+                    head = self.fs.call_s3("head_object", Bucket=self.ref.bucket, Key=self.ref.key(name))
+                    if head["ETag"] != obj["ETag"] or head["ContentLength"] != obj["size"]:
+                        raise GkError(f"source {self.uri}/{name}: changed while being read; run again")
+                    self._download(name, obj, tmp, advance)
+                    sha = self._verify(name, head, tmp)
+                os.replace(tmp, local)
+            finally:
+                tmp.unlink(missing_ok=True)
         st = local.stat()
-        with self.lock:
-            self.record[name] = {"etag": obj["ETag"], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+        with self.lock:  # other processes' entries kept, this file's replaced
+            self.record = {**(read_json_record(self.dir / RECORD, _record_problem) or {}), **self.record,
+                           name: {"etag": obj["ETag"], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}}
             write_json_atomic(self.dir / RECORD, self.record)
             self.fps.remember(local, sha)  # the build reuses this hash instead of reading the file again
             self.fps.save()
         return local
 
+    def _cached(self, name: str, obj: dict, local: Path) -> bool:
+        """Whether the cache holds this version of ``name``: by this process's record or the one on
+        disk (another process may have written it since; it never replaces an entry here, which a
+        concurrent download of another file by this process could otherwise lose)."""
+        if not local.is_file():
+            return False
+        st = local.stat()
+        with self.lock:
+            disk = read_json_record(self.dir / RECORD, _record_problem) or {}
+            candidates = (self.record.get(name), disk.get(name))
+        return any(rec and rec["etag"] == obj["ETag"] and [rec["size"], rec["mtime_ns"]] == [obj["size"], st.st_mtime_ns]
+                   and st.st_size == rec["size"] for rec in candidates)
+
     def _download(self, name: str, obj: dict, tmp: Path, advance: Advance) -> None:
         """Parallel ranged GETs, each read in chunks and written at its offset, pinned to the
         object's ETag (s3fs reads with If-Match), so a replaced object fails instead of mixing."""
         size = obj["size"]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = create(tmp)
         try:
             os.ftruncate(fd, size)
 
@@ -180,10 +204,7 @@ def resolve(uri: str, advance: Advance = lambda n: None) -> Path:
     m.get("config.json", objs.get("config.json"), limit=MAX_SMALL)
     if INDEX in objs:
         idx = m.get(INDEX, objs[INDEX], limit=MAX_SMALL)
-        try:
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise GkError(f"source {uri}: {INDEX} is not a valid safetensors index") from None
+        files = sorted(set(read_index(idx, f"source {uri}/{INDEX}").values()))
     else:
         files = [SINGLE]
     bad = [f for f in files if not isinstance(f, str) or Path(f).name != f or f.startswith(".")]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, jsonio
 from ..errors import GkError, shown
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -72,9 +72,9 @@ def read_header(path: Path) -> Header:
     except IsADirectoryError:
         raise GkError(f"{path}: is a folder, not a safetensors file") from None
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GkError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+        obj = jsonio.loads(raw, f"{path}: corrupt safetensors header")
+    except jsonio.BadJson as e:
+        raise GkError(str(e)) from None
     if not isinstance(obj, dict):
         raise GkError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = obj.pop("__metadata__", None) or {}
@@ -136,6 +136,18 @@ class MappedFile:
     # A page fault maps neighbouring cached pages too (fault-around, 64 KiB by default), so a
     # release reaches this far past both ends of the range it was asked for.
     FAULT_AROUND = 1 << 20
+    MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in one call instead of a fault each
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Map a byte range's pages now, in one system call (a build reads every byte of what it
+        asks for: faulting them in one 64 KiB group at a time cost a third of its system time)."""
+        if not self._mm or nbytes <= 0:
+            return
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._mm.madvise(self.MADV_POPULATE_READ, start, min(offset + nbytes, self.header.size) - start)
+        except OSError:  # an older kernel: the pages fault in as they are read
+            pass
 
     def release(self, offset: int, nbytes: int) -> None:
         """Drop the mapped pages of a byte range (and the fault-around margin) from this process;
@@ -246,7 +258,7 @@ class SafetensorsWriter:
         self.sha256: str | None = None
         self.size = self._base + sum(s.nbytes for s in specs)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         os.ftruncate(self._fd, self.size)
         os.pwrite(self._fd, header, 0)
 

@@ -22,9 +22,9 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
+from ..dtypes import dtype
 from ..errors import GkError
 from ..model import GptOssConfig
 from ..progress import Advance
@@ -49,7 +49,7 @@ def _bf16(raw: np.ndarray, rms: float) -> np.ndarray:
     bits = raw.view(np.uint16)
     k = round(math.log2(rms / 0.88))  # E[(1+m)^2] E[4^e] over the 4 octaves gives RMS ~ 0.88 * 2^k
     exp = ((bits >> 7) & np.uint16(0x3)) + np.uint16(127 + k - 3)
-    return ((bits & np.uint16(0x807F)) | (exp << np.uint16(7))).view(ml_dtypes.bfloat16)
+    return ((bits & np.uint16(0x807F)) | (exp << np.uint16(7))).view(dtype("bf16").numpy)
 
 
 def _mx_scales(raw: np.ndarray, fan_in: int) -> np.ndarray:
@@ -78,9 +78,9 @@ def generate(cfg: GptOssConfig, spec: TensorSpec, seed: int, chunk: int, count: 
     if n.endswith("_scales"):
         return _mx_scales(raw, _fan_in(cfg, spec))
     if n.endswith("layernorm.weight") or n == names.FINAL_NORM:
-        return (1.0 + np.random.Generator(bg).uniform(-0.125, 0.125, count)).astype(ml_dtypes.bfloat16)
+        return (1.0 + np.random.Generator(bg).uniform(-0.125, 0.125, count)).astype(dtype("bf16").numpy)
     if n.endswith("sinks"):
-        return np.random.Generator(bg).uniform(-2.0, 2.0, count).astype(ml_dtypes.bfloat16)
+        return np.random.Generator(bg).uniform(-2.0, 2.0, count).astype(dtype("bf16").numpy)
     if n.endswith("bias"):
         return _bf16(raw, 2.0 ** -5)
     if n == names.EMBED:

@@ -6,7 +6,12 @@ key up in a store (a folder, ``hf://ORG/NAME`` or ``s3://BUCKET/PREFIX``); on a 
 is fetched and verified instead; ``--cache-push`` stores what was compiled. The store holds
 
     compile/<key>.json           one entry a program: the key, what was compiled, and its blob
-    blobs/<sha256>.<zst|raw>     the artifact (the publish stores' naming, codec and bounds)
+    blobs/<sha256>.<zst|raw>     the artifact behind a one-line header naming its key and program
+                                 (the publish stores' naming, codec and bounds)
+
+The blob's hashed content starts with ``gkbuild-compile-cache/2`` and the program's key, name,
+size and sha256: an entry re-pointed at another program's blob (whose hash and size it copies)
+is refused, because the key is inside what the blob's name hashes, not only beside it.
 
 The key (``program_key``) holds everything that changes one program: its name and batch, its
 signature (every input's name, shape, dtype, kind and shard file; the outputs; the kernel's
@@ -29,19 +34,22 @@ push only from CI.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import zipfile
 from pathlib import Path
 
 from ..errors import GkError
-from ..paths import confined
+from ..paths import confined, create
 from ..pipeline.state import key
 from ..progress import warn
 from ..publish import codec, index
 from ..s3 import Conflict
 
-FORMAT, VERSION = "gkbuild-compile-cache", 1
+FORMAT, VERSION = "gkbuild-compile-cache", 2
+MAGIC = b"gkbuild-compile-cache/2 "
+MAX_HEADER = 4096
 ENTRIES = "compile"
 MAX_ENTRY = 1 << 20
 MAX_ARTIFACT = 64 << 30  # a NEFF of the full model is a few GB
@@ -85,10 +93,17 @@ def entry_name(k: str) -> str:
     return f"{ENTRIES}/{k}.json"
 
 
-def make_entry(k: str, program: str, artifact: dict, encoding: str, stored_size: int) -> dict:
-    """``artifact``: format, target, compiler, flags, size, sha256 (as in the manifest)."""
+def header(k: str, program: str, size: int, sha256: str) -> bytes:
+    """The line a blob starts with: what it is the program of."""
+    return MAGIC + json.dumps({"key": k, "program": program, "size": size, "sha256": sha256},
+                              sort_keys=True).encode() + b"\n"
+
+
+def make_entry(k: str, program: str, artifact: dict, encoding: str, stored_size: int, blob_sha: str) -> dict:
+    """``artifact``: format, target, compiler, flags, size, sha256 (as in the manifest);
+    ``blob_sha``: the sha256 of the blob's content (header and artifact)."""
     a = {f: artifact[f] for f in ("format", "target", "compiler", "flags", "size", "sha256")}
-    a.update(encoding=encoding, stored_size=stored_size, blob=index.blob_name(a["sha256"], encoding))
+    a.update(encoding=encoding, stored_size=stored_size, blob_sha256=blob_sha, blob=index.blob_name(blob_sha, encoding))
     return {"format": FORMAT, "version": VERSION, "key": k, "program": program, "artifact": a}
 
 
@@ -97,31 +112,43 @@ def parse_entry(data: bytes, where: str, k: str | None = None) -> dict:
     e = index.load_versioned(data, where, FORMAT, VERSION, "compile-cache entry")
     a = e.get("artifact")
     ok = (isinstance(e.get("key"), str) and _KEY.match(e["key"]) and isinstance(e.get("program"), str)
-          and isinstance(a, dict) and isinstance(a.get("sha256"), str) and _KEY.match(a["sha256"])
+          and isinstance(a, dict) and all(isinstance(a.get(f), str) and _KEY.match(a[f]) for f in ("sha256", "blob_sha256"))
           and a.get("encoding") in codec.EXT and isinstance(a.get("flags"), list) and isinstance(a.get("compiler"), dict)
           and all(isinstance(a.get(f), int) and 0 <= a[f] <= MAX_ARTIFACT for f in ("size", "stored_size")))
     if not ok:
         raise GkError(f"{where}: malformed compile-cache entry")
-    if a.get("blob") != index.blob_name(a["sha256"], a["encoding"]):
-        raise GkError(f"{where}: names blob {a.get('blob')!r}, expected {index.blob_name(a['sha256'], a['encoding'])}")
+    if a.get("blob") != index.blob_name(a["blob_sha256"], a["encoding"]):
+        raise GkError(f"{where}: names blob {a.get('blob')!r}, expected "
+                      f"{index.blob_name(a['blob_sha256'], a['encoding'])}")
     if k is not None and e["key"] != k:
         raise GkError(f"{where}: is the entry of key {e['key'][:16]}, not {k[:16]}")
     return e
 
 
-def check_artifact(path: Path, fmt: str) -> None:
-    """The artifact's own format, fully read: a .pt2 zip (every member's CRC, names that stay
-    inside the package) or a NEFF (header, payload size and hash)."""
+def check_artifact(path: Path, fmt: str, program: str) -> None:
+    """The artifact's own format, fully read: a NEFF (header, payload size and hash), or a .pt2
+    that is an AOTInductor package of this program (torch's own test, torch==2.13.0:
+    torch/export/pt2_archive/_package.py:74 ``is_pt2_package``; the archive's root is the
+    program's name, as gkbuild compiles it; it holds ``data/aotinductor/``), every member's CRC
+    right and every name inside the package. Any other zip is refused."""
     if fmt == "neff":
         from .neff import read
 
         read(path)
         return
+    from torch.export.pt2_archive import is_pt2_package
+    from torch.export.pt2_archive.constants import AOTINDUCTOR_DIR
+
     try:
         with zipfile.ZipFile(path) as z:
-            bad = next((n for n in z.namelist() if n.startswith("/") or ".." in n.split("/") or "\\" in n), None)
+            names = z.namelist()
+            bad = next((n for n in names if n.startswith("/") or ".." in n.split("/") or "\\" in n), None)
             if bad is not None:
                 raise GkError(f"{path}: the package names a member outside it ({bad!r}); refused")
+            if not (is_pt2_package(str(path)) and all(n.split("/")[0] == program for n in names)
+                    and any(n.startswith(f"{program}/{AOTINDUCTOR_DIR}") for n in names)):
+                raise GkError(f"{path}: not a .pt2 package of the {program} program (an AOTInductor archive rooted "
+                              f"at {program}/); refused")
             broken = z.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise GkError(f"{path}: not a .pt2 package ({e})") from None
@@ -140,29 +167,60 @@ class CompileCache:
         self.hits: list[str] = []
         self.pushed: list[str] = []
         self._prepared = False
+        self._blobs: dict[str, int] | None = None  # the store's blobs and sizes, listed once (``holds``)
+
+    def entry(self, k: str, program: str, expect: dict) -> dict | None:
+        """The entry of key ``k`` (None when the cache has none), checked: its key, program, and the
+        format, target, compiler and flags ``expect`` says this compile would use."""
+        where = f"{self.uri}/{entry_name(k)}"
+        raw = self.store.get(entry_name(k), MAX_ENTRY)
+        if raw is None:
+            return None
+        e = parse_entry(raw, where, k)
+        a = e["artifact"]
+        if e["program"] != program:
+            raise GkError(f"{where}: the entry is for the {e['program']} program, not {program}")
+        for f in ("format", "target", "compiler", "flags"):
+            if a.get(f) != expect[f]:
+                raise GkError(f"{where}: the entry's {f} is {a.get(f)!r}, this compile's is {expect[f]!r}")
+        return e
+
+    def holds(self, k: str, program: str, expect: dict) -> bool:
+        """Whether the cache holds the program of key ``k``, verified without fetching it: its entry
+        (as ``restore`` checks it) and its blob, present at the entry's stored size. The bytes
+        themselves are verified by the compile that restores them (which compiles instead if they
+        do not)."""
+        try:
+            e = self.entry(k, program, expect)
+        except GkError as err:
+            warn(f"compile cache: {err}; {program} will be compiled")
+            return False
+        if e is None:
+            return False
+        if self._blobs is None:
+            self._blobs = self.store.stored()
+        a = e["artifact"]
+        return self._blobs.get(a["blob"]) == a["stored_size"]
 
     def restore(self, k: str, program: str, dst: Path, expect: dict) -> bool:
         """Fetch the program of key ``k`` into ``dst`` if the cache has it and it verifies; else False.
         ``expect``: the format, target, compiler and flags this compile would use."""
-        where = f"{self.uri}/{entry_name(k)}"
-        raw = self.store.get(entry_name(k), MAX_ENTRY)
-        if raw is None:
-            return False
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.cache.partial")
         try:
-            e = parse_entry(raw, where, k)
+            e = self.entry(k, program, expect)
+            if e is None:
+                return False
             a = e["artifact"]
-            if e["program"] != program:
-                raise GkError(f"{where}: the entry is for the {e['program']} program, not {program}")
-            for f in ("format", "target", "compiler", "flags"):
-                if a.get(f) != expect[f]:
-                    raise GkError(f"{where}: the entry's {f} is {a.get(f)!r}, this compile's is {expect[f]!r}")
             dst.parent.mkdir(parents=True, exist_ok=True)
-            with self.store.open_blob(a["blob"]) as src, open(tmp, "wb") as out:
-                got = codec.decode(src, out, a["encoding"], a["size"], a["stored_size"], f"{self.uri}/{a['blob']}")
-            if got != a["sha256"]:
-                raise GkError(f"{self.uri}/{a['blob']}: sha256 {got[:16]} differs from the entry's {a['sha256'][:16]}")
-            check_artifact(tmp, a["format"])
+            blob = f"{self.uri}/{a['blob']}"
+            with self.store.open_blob(a["blob"]) as src, os.fdopen(create(tmp), "wb") as out:
+                sink = _Unwrap(out, header(k, program, a["size"], a["sha256"]), blob)
+                got = codec.decode(src, sink, a["encoding"], len(sink.want) + a["size"], a["stored_size"], blob)
+            if got != a["blob_sha256"]:
+                raise GkError(f"{blob}: sha256 {got[:16]} differs from the entry's {a['blob_sha256'][:16]}")
+            if sink.sha.hexdigest() != a["sha256"]:
+                raise GkError(f"{blob}: the artifact's sha256 differs from the entry's {a['sha256'][:16]}")
+            check_artifact(tmp, a["format"], program)
             os.replace(tmp, dst)
         except GkError as err:
             warn(f"compile cache: {err}; compiling {program} instead")
@@ -181,18 +239,27 @@ class CompileCache:
             self.store.prepare()
             self._prepared = True
         enc, _ = codec.choose(path)
-        name = index.blob_name(artifact["sha256"], enc)
+        head = header(k, program, artifact["size"], artifact["sha256"])
+        with open(path, "rb", buffering=0) as f:
+            blob_sha, h = hashlib.sha256(head), hashlib.sha256()
+            while chunk := f.read(8 << 20):
+                blob_sha.update(chunk)
+                h.update(chunk)
+        if h.hexdigest() != artifact["sha256"]:
+            raise GkError(f"{path}: sha256 {h.hexdigest()[:16]} differs from the build's {artifact['sha256'][:16]} "
+                          f"(changed since it was compiled); not pushed")
+        name = index.blob_name(blob_sha.hexdigest(), enc)
         stored = self.store.stored()
         if name in stored:
             stored_size = stored[name]
         else:
             with self.store.writer(name) as out, open(path, "rb", buffering=0) as src:
-                got, stored_size = codec.encode(src, out, enc)
-                if got != artifact["sha256"]:
-                    raise GkError(f"{path}: sha256 {got[:16]} differs from the build's {artifact['sha256'][:16]} "
-                                  f"(changed since it was compiled); not pushed")
+                got, stored_size = codec.encode(_Chain(head, src), out, enc)
+            if got != blob_sha.hexdigest():
+                raise GkError(f"{path}: changed while it was pushed; not pushed")
         try:
-            self.store.put(entry_name(k), index.dumps(make_entry(k, program, artifact, enc, stored_size)))
+            entry = make_entry(k, program, artifact, enc, stored_size, blob_sha.hexdigest())
+            self.store.put(entry_name(k), index.dumps(entry))
         except Conflict:
             return False  # another host pushed the same key meanwhile: same inputs, its program serves
         self.pushed.append(program)
@@ -203,6 +270,46 @@ class CompileCache:
         if self.pushed:
             parts.append(f"{len(self.pushed)} pushed")
         return f"{', '.join(parts)} ({self.uri})" if parts else ""
+
+
+class _Chain:
+    """``head`` then the file ``f``, as one reader (``readinto``, what ``codec.encode`` reads)."""
+
+    def __init__(self, head: bytes, f):
+        self.head, self.f = memoryview(head), f
+
+    def readinto(self, buf) -> int:
+        if self.head:
+            n = min(len(buf), len(self.head))
+            buf[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        return self.f.readinto(buf) or 0
+
+
+class _Unwrap:
+    """A sink for a cache blob: its first bytes must be exactly ``want`` (the header of the key and
+    program asked for), the rest is the artifact, written to ``out`` and hashed."""
+
+    def __init__(self, out, want: bytes, where: str):
+        self.out, self.want, self.where = out, want, where
+        self.seen = bytearray()
+        self.sha = hashlib.sha256()
+
+    def write(self, data) -> int:
+        n = len(data)
+        if len(self.seen) < len(self.want):
+            take = min(n, len(self.want) - len(self.seen))
+            self.seen += data[:take]
+            if self.want[:len(self.seen)] != bytes(self.seen):
+                line = bytes(self.seen).split(b"\n")[0][:MAX_HEADER]
+                said = "not a compile-cache blob" if not line.startswith(MAGIC) else \
+                    f"the blob of {line[len(MAGIC):].decode('utf-8', 'replace')[:120]}"
+                raise GkError(f"{self.where}: {said}, not of the key and program this entry is for; refused")
+            data = data[take:]
+        self.sha.update(data)
+        self.out.write(data)
+        return n
 
 
 def entries(store) -> list[dict]:
@@ -220,8 +327,11 @@ def entries(store) -> list[dict]:
 
 def prune(store, keep: set[str] | None = None) -> dict:
     """Drop entries whose blob is gone or is not one the entry could name, entries whose key is
-    not in ``keep`` (when given), then blobs no remaining entry names. Only names a push writes
-    are ever deleted."""
+    not in ``keep`` (when given), then blobs no remaining entry names, nor the store's publish
+    index (a cache may share a store with builds), unless a publish is in progress there (its
+    lease). Only names a push writes are ever deleted."""
+    from ..publish.leases import others_alive
+
     blobs = {n: size for n, size in store.stored().items() if index.is_blob(n)}
     drop, live, kept = [], set(), 0
     for e in entries(store):
@@ -232,7 +342,9 @@ def prune(store, keep: set[str] | None = None) -> dict:
         else:
             live.add(a["blob"])
             kept += 1
-    dead = sorted(n for n in blobs if n not in live)
+    raw = store.read_index()
+    published = index.blobs(index.parse(raw, f"{store.uri}/{index.NAME}")) if raw is not None else set()
+    dead = [] if others_alive(store) else sorted(n for n in blobs if n not in live | published)
     store.delete(drop + dead)
     return {"entries_removed": len(drop), "blobs_removed": len(dead), "entries_kept": kept,
             "bytes_freed": sum(blobs[n] for n in dead)}
@@ -242,7 +354,10 @@ def build_keys(build_dir: Path) -> set[str]:
     """The compile keys of a build's programs (from its manifest)."""
     from ..pipeline import manifest as mf
 
-    return set(mf.load(build_dir)["compile"].get("cache_keys", {}).values())
+    keys = set(mf.load(build_dir)["compile"].get("cache_keys", {}).values())
+    if not keys:  # keeping "only its programs" would then drop every entry
+        raise GkError(f"{build_dir}: has no compiled programs (no compile keys); refusing to prune by it")
+    return keys
 
 
 def push_build(cache: CompileCache, build_dir: Path) -> int:

@@ -13,24 +13,27 @@ import os
 import shutil
 import tempfile
 import warnings
+from importlib import metadata
 from pathlib import Path
 
-import torch
-
 from ..errors import GkError
-from .programs import example_inputs
 from .signature import Signature
 
 NAME = "torch-aotinductor"
 
 
 def compiler() -> dict:
-    return {"name": NAME, "version": torch.__version__}
+    """The compiler's name and version (torch's, read from its package metadata: planning a compile
+    key does not import torch)."""
+    return {"name": NAME, "version": metadata.version("torch")}
 
 
 def flags(target: str, batch_sizes: list[int]) -> list[str]:
+    """What the compile is told; ``--cpp-dynamic-threads``: the generated kernels take the thread
+    count at run time rather than baking in the compiling process's (so a program's bytes do not
+    depend on the host's cores, ``OMP_NUM_THREADS`` or a Ray worker's CPU share)."""
     return [f"--device={_device(target)}", f"--dynamic-batch={min(batch_sizes)}..{max(batch_sizes)}",
-            "--package=pt2"]
+            "--package=pt2", "--cpp-dynamic-threads"]
 
 
 def _device(target: str) -> str:
@@ -39,17 +42,30 @@ def _device(target: str) -> str:
 
 def available(target: str) -> str | None:
     """None when this machine can compile for ``target``, else why not."""
-    if target == "cuda" and not torch.cuda.is_available():
+    if target != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
         return "CUDA is not available on this machine (the cuda target compiles where a GPU is)"
     return None
 
 
-def build(program: torch.nn.Module, sig: Signature, batch_sizes: list[int], target: str, out: Path) -> None:
-    """Export ``program`` over ``sig`` and compile it to the package ``out`` (atomically)."""
+def build(program, sig: Signature, batch_sizes: list[int], target: str, out: Path, key: str) -> None:
+    """Export ``program`` (a ``torch.nn.Module``) over ``sig`` and compile it to the package ``out``
+    (atomically). ``key``: the program's compile key, which names its compile folder."""
+    import torch
+
+    from .programs import example_inputs
+
     device = _device(target)
     args = [a.to(device) for a in example_inputs(sig, max(batch_sizes))]
-    batch = torch.export.Dim("batch", min=max(1, min(batch_sizes)), max=max(batch_sizes))
-    dynamic = {"args": tuple({d: batch for d, s in enumerate(i.shape) if s == "batch"} or None for i in sig.inputs)}
+    lo, hi = max(1, min(batch_sizes)), max(batch_sizes)
+    dynamic = None  # one batch size: a static program (torch.export refuses a Dim with min == max)
+    if lo < hi:
+        batch = torch.export.Dim("batch", min=lo, max=hi)
+        dynamic = {"args": tuple({d: batch for d, s in enumerate(i.shape) if s == "batch"} or None
+                                 for i in sig.inputs)}
     try:
         with warnings.catch_warnings():  # torch's own deprecation chatter while tracing
             warnings.simplefilter("ignore", FutureWarning)
@@ -65,8 +81,9 @@ def build(program: torch.nn.Module, sig: Signature, batch_sizes: list[int], targ
         tmp.mkdir()
         staged = tmp / "staged" / f"{out.stem}.pt2"
         staged.parent.mkdir()
-        with warnings.catch_warnings(), fixed_cache() as cache, \
-                torch._inductor.config.patch({"aot_inductor.enable_line_tables": False}):
+        with warnings.catch_warnings(), fixed_cache(key) as cache, \
+                torch._inductor.config.patch({"aot_inductor.enable_line_tables": False,
+                                               "cpp.dynamic_threads": True}):
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(exported, package_path=str(staged))
             normalize(staged, tmp / f"{out.stem}.pt2", cache)
@@ -80,18 +97,30 @@ _WRITER_RECORDS = {"version", ".data/version", "byteorder", ".data/serialization
 _TEXT = (".cpp", ".h", ".json", ".txt")
 
 
+def cache_folder(key: str) -> Path:
+    """Where the program of compile key ``key`` is always compiled: ``$TMPDIR/gkbuild-pt2-<uid>/<key[:16]>``
+    (not the single ``gkbuild-aoti-<uid>`` folder of gkbuild 0.1, which an older gkbuild on the host empties)."""
+    return Path(tempfile.gettempdir()) / f"gkbuild-pt2-{os.getuid()}" / key[:16]
+
+
 @contextlib.contextmanager
-def fixed_cache():
-    """Inductor's cache folder for one compile: always the same path, emptied first, held under a
-    lock. g++ records the path of every source it compiles in the ``.so`` (its symbol table) and
-    inductor hashes kernel sources that name it, so a path that varies (a fresh
-    ``$TORCHINDUCTOR_CACHE_DIR``, another user's ``/tmp/torchinductor_<user>``) varies the bytes."""
+def fixed_cache(key: str):
+    """Inductor's cache folder for one program: a path fixed by the program's compile key, emptied
+    first, held under that program's lock. g++ records the path of every source it compiles in the
+    ``.so`` (its symbol table) and inductor hashes kernel sources that name it, so a path that
+    varies (a fresh ``$TORCHINDUCTOR_CACHE_DIR``, another user's ``/tmp/torchinductor_<user>``)
+    varies the bytes. One program always compiles at the same path (its archives are
+    byte-identical); different programs compile at once (one lock a key, not one a user)."""
     from ..paths import file_lock
 
-    root = Path(tempfile.gettempdir()) / f"gkbuild-aoti-{os.getuid()}"
-    with file_lock(root.with_name(root.name + ".lock")):
-        if os.path.islink(root) or (root.exists() and root.stat().st_uid != os.getuid()):
-            raise GkError(f"{root}: is a symlink or not ours; refusing to compile through it")
+    root = cache_folder(key)
+    base = root.parent
+    base.mkdir(mode=0o700, exist_ok=True)
+    if os.path.islink(base) or base.stat().st_uid != os.getuid():
+        raise GkError(f"{base}: is a symlink or not ours; refusing to compile through it")
+    with file_lock(base / f"{root.name}.lock"):
+        if os.path.islink(root):
+            raise GkError(f"{root}: is a symlink; refusing to compile through it")
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(mode=0o700)
         old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

@@ -94,9 +94,17 @@ def _const_str(node) -> str | None:
 
 
 def _is_environ_get(call: ast.Call) -> bool:
+    """``<x>.environ.get(...)``, ``environ.get(...)`` or ``<x>.getenv(...)`` / ``getenv(...)``."""
     f = call.func
-    return (isinstance(f, ast.Attribute) and f.attr == "get" and isinstance(f.value, ast.Attribute)
-            and f.value.attr == "environ")
+    if isinstance(f, ast.Attribute) and f.attr == "get":
+        v = f.value
+        return (isinstance(v, ast.Attribute) and v.attr == "environ") or (isinstance(v, ast.Name) and v.id == "environ")
+    return (isinstance(f, ast.Attribute) and f.attr == "getenv") or (isinstance(f, ast.Name) and f.id == "getenv")
+
+
+def _is_environ(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name)
+                                                                             and node.id == "environ")
 
 
 def _is_default_on(call: ast.Call) -> bool:
@@ -113,13 +121,14 @@ def switch_reads(text: str, path: str) -> list[dict]:
     ``expr``)."""
     tree = _tree(text, path)
     parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-    out = []
+    out, seen = [], set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not node.args:
             continue
         name = _const_str(node.args[0])
         if name is None or not name.startswith(SWITCH_PREFIX):
             continue
+        seen.add(id(node.args[0]))
         if _is_default_on(node):
             read, default, expr = "default_on", None, node
         elif _is_environ_get(node):
@@ -133,10 +142,42 @@ def switch_reads(text: str, path: str) -> list[dict]:
             else:
                 read, expr = "value", up if isinstance(up, (ast.Compare, ast.BoolOp)) else node
         else:
+            seen.discard(id(node.args[0]))
             continue
         out.append({"name": name, "read": read, "default": default, "expr": ast.unparse(expr),
                     "site": f"{path}:{node.lineno}"})
+    # A dict key naming the switch its value reads ({"X": os.environ.get("X")}) is that read.
+    read_names = {id(n): n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+                  and id(n.args[0]) in seen}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if k is not None and _const_str(k) in {read_names.get(id(n)) for n in ast.walk(v)}:
+                    seen.add(id(k))
+    # Any other mention of a switch (environ[...], `in environ`, a helper of its own): gkbuild cannot
+    # tell how it is read, so it cannot set it explicitly; the build refuses rather than guess.
+    for node in ast.walk(tree):
+        name = _const_str(node) if isinstance(node, ast.Constant) else None
+        if name and name.startswith(SWITCH_PREFIX) and id(node) not in seen:
+            up = parents.get(node)
+            out.append({"name": name, "read": "unrecognized", "default": None,
+                        "expr": ast.unparse(up if up is not None else node)[:200], "site": f"{path}:{node.lineno}"})
     return sorted(out, key=lambda s: (int(s["site"].rsplit(":", 1)[1]), s["name"]))
+
+
+def environment_reads(text: str, path: str) -> list[str]:
+    """Other environment variables a module reads (``environ.get``/``getenv``/``environ[...]``/
+    ``in environ``): the trace leaves them unset, so the compiled program does not depend on the
+    caller's environment."""
+    names = set()
+    for node in ast.walk(_tree(text, path)):
+        if isinstance(node, ast.Call) and node.args and _is_environ_get(node):
+            names.add(_const_str(node.args[0]))
+        elif isinstance(node, ast.Subscript) and _is_environ(node.value):
+            names.add(_const_str(node.slice))
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            names.add(_const_str(node.left))
+    return sorted(n for n in names if n and not n.startswith(SWITCH_PREFIX))
 
 
 def flag_off_values(text: str, where: str = "source") -> list[str] | None:
@@ -184,20 +225,23 @@ def extract(root: Path, repo: str, commit: str, entries: list[str], scan: list[s
             "switches": switches, "flag_off_values": off}
 
 
-def scan_switches(root: Path) -> tuple[list[dict], list[str] | None]:
-    """Every switch read anywhere in a checked-out library (``*.py`` under ``root``), and its
-    off values: what a build host learns of a revision gkbuild has no committed interface for."""
-    reads, off = [], None
+def scan_switches(root: Path) -> tuple[list[dict], list[str] | None, list[str]]:
+    """Every switch read anywhere in a checked-out library (``*.py`` under ``root``), its off
+    values, and the other environment variables it reads: what a build host learns of the
+    revision it compiles (beyond the files a committed interface covers)."""
+    reads, off, other = [], None, set()
     for p in sorted(Path(root).rglob("*.py")):
         if ".git" in p.parts or not p.is_file():
             continue
         rel = p.relative_to(root).as_posix()
         text = _text(p)
+        if "environ" in text or "getenv" in text:
+            other.update(environment_reads(text, rel))
         if SWITCH_PREFIX not in text and "_FLAG_OFF_VALUES" not in text:
             continue
         reads += switch_reads(text, rel)
         off = flag_off_values(text, rel) or off
-    return reads, off
+    return reads, off, sorted(other)
 
 
 def file_name(repo: str, commit: str) -> str:

@@ -53,6 +53,8 @@ COMPILER = "neuronx-cc"
 SDK_MODULES = ("torch_neuronx", "torch_xla", "neuronxcc", "nki")
 MESHES = ("tp_replica_group", "ep_replica_group")  # nki.collectives.ReplicaGroup arguments of the decode
 FP8_ON_TRN2 = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+# Never passed on from the caller: compiler flags come from the recipe; the compile mode sets its own.
+UNSET = ("NEURON_CC_FLAGS", "PJRT_DEVICE", "NEURON_PLATFORM_TARGET_OVERRIDE")
 UNVERIFIED = {"xla-cpu": "compile.trace: xla-cpu traces with torch-xla on PJRT_DEVICE=CPU, which AWS does not document "
                          "as a Neuron compile mode: unverified"}
 
@@ -111,7 +113,7 @@ def kernel(recipe, program: str) -> dict:
     rec = {"library": library, "source": src.describe(), "revision": kernel_source.revision(src), "entry": entry,
            "interface": _interface_ref(doc), "trace": recipe.compile.trace,
            "switch_overrides": _asked(recipe, program)}
-    rec["switches"] = _settings(recipe, program, doc["switches"], doc["flag_off_values"]) if doc else None
+    rec["switches"] = _settings(recipe, program, doc["switches"], doc["flag_off_values"], partial=True) if doc else None
     return rec
 
 
@@ -126,9 +128,9 @@ def _asked(recipe, program: str) -> dict[str, str]:
     return switches.overrides(recipe.compile.kernel_switches) if program == "decode" else {}
 
 
-def _settings(recipe, program, reads, off) -> dict:
+def _settings(recipe, program, reads, off, partial: bool = False) -> dict:
     where = recipe.path or "recipe"
-    return {s.name: s.to_dict() for s in switches.settings(reads, off, _asked(recipe, program), str(where))}
+    return {s.name: s.to_dict() for s in switches.settings(reads, off, _asked(recipe, program), str(where), partial)}
 
 
 def _interface_ref(doc: dict | None) -> dict | None:
@@ -152,18 +154,17 @@ def prepare(recipe, program: str, rec: dict, cache: Path) -> tuple[Path, dict]:
         if got != sha:
             raise GkError(f"{rec['library']}: {path} in the checkout ({got[:12]}) is not the source gkbuild's "
                           f"interface {rec['interface']['file']} was read from ({sha[:12]})")
-    reads, off = interface.scan_switches(root)
-    return root, {**rec, "switches": _settings(recipe, program, reads, off)}
+    reads, off, other = interface.scan_switches(root)
+    return root, {**rec, "switches": _settings(recipe, program, reads, off), "unset": other}
 
 
 def trace_environment(rec: dict, target: str, base: dict | None = None) -> dict[str, str]:
     """The trace process's environment: the caller's, less every kernel switch it happens to carry,
-    plus each of the program's switches set explicitly and the compile mode's variables."""
+    the other variables the library reads (``unset``: they take their source defaults) and
+    ``UNSET``, plus each of the program's switches set explicitly and the compile mode's variables."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith(interface.SWITCH_PREFIX)}
+           if not k.startswith(interface.SWITCH_PREFIX) and k not in UNSET and k not in rec.get("unset", ())}
     env.update({n: s["value"] for n, s in (rec["switches"] or {}).items()})
-    env.pop("PJRT_DEVICE", None)
-    env.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
     if rec["trace"] == "host":
         env["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
     elif rec["trace"] == "xla-cpu":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -140,7 +139,9 @@ def trace(spec: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
+    from gkbuild.jsonio import read
+
+    spec = read(argv[0], 1 << 20)
     try:
         trace(spec)
     except TraceError as e:

@@ -14,17 +14,16 @@ inputs, so new weights of the same shapes reuse the artifacts; a new compiler or
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import __version__
-from ..errors import GkError
-from ..kernels.decode import Scalars
+from ..errors import GkError, os_error
+from ..paths import inside
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, inductor, neff, neuron, signature
-from .programs import DecodeProgram, TailProgram
+from . import cache as compile_cache, conformance, inductor, neff, neuron, signature
 
 OUT = "compiled"
 KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
@@ -46,66 +45,141 @@ def _entry(sig, fmt: str, path: str | None, out: Path, target: str, comp: dict, 
     return e
 
 
+@dataclass(frozen=True)
+class Backend:
+    """How a recipe's programs are compiled: the backend, its artifact format and suffix, the
+    compiler, each program's flags and (NEFFs) kernel record, why this host cannot compile (None
+    when it can), and, once ``prepare``d, each program's library checkout."""
+
+    name: str
+    fmt: str
+    suffix: str
+    target: str
+    compiler: dict
+    flags: dict  # program -> flags
+    kernels: dict  # program -> kernel record (None for inductor)
+    unavailable: str | None
+    roots: dict | None = None  # program -> library checkout (``prepare``)
+
+    def expect(self, program: str) -> dict:
+        """What a cached artifact of ``program`` must say it is (``cache.CompileCache.restore``)."""
+        return {"format": self.fmt, "target": self.target, "compiler": self.compiler, "flags": self.flags[program]}
+
+    def kernel_key(self, program: str) -> dict | None:
+        rec = self.kernels[program]
+        return None if rec is None else neuron.key_of(rec)
+
+
+def backend(plan) -> Backend:
+    r = plan.recipe
+    programs = ("decode", "tail")
+    if r.backend == "inductor":
+        return Backend("inductor", "aoti-pt2", "pt2", r.target, inductor.compiler(),
+                       {p: inductor.flags(r.target, r.decode.batch_sizes) for p in programs},
+                       {p: None for p in programs}, inductor.available(r.target))
+    return Backend("neuron", "neff", "neff", r.target, neuron.compiler(), {p: neuron.flags(r, p) for p in programs},
+                   {p: neuron.kernel(r, p) for p in programs}, neuron.sdk())
+
+
+def prepare(plan, be: Backend) -> Backend:
+    """NEFFs: each program's library checked out and its kernel record finished from the checkout
+    (the switches the library reads, each set); inductor: as is."""
+    if be.name != "neuron" or be.roots is not None:
+        return be
+    from ..checkpoint.source import cache_root
+
+    why = conformance.isa_refusal(plan.recipe)
+    if why:
+        raise GkError(f"{plan.recipe.target}: {why}")
+
+    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
+    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
+
+
+def program_keys(plan, be: Backend, sigs) -> dict[str, str]:
+    """Each program's compile key (``cache.program_key``), by program name."""
+    return {s.key: compile_cache.program_key(plan, s, be.compiler, be.flags[s.program], be.kernel_key(s.program))
+            for s in sigs}
+
+
+def artifact_path(be: Backend, sig) -> str:
+    return f"{OUT}/{sig.key}.{be.suffix}"
+
+
+def compile_program(plan, sig, be: Backend, out: Path, key: str) -> Path:
+    """Trace and compile one program into ``out/compiled/`` (the build folder, or a farm job's own
+    folder); returns the artifact. Needs only the plan and the kernel source: no weights."""
+    r = plan.recipe
+    if be.unavailable:
+        raise GkError(f"{sig.key}: cannot compile for {r.target} here: {be.unavailable}")
+    path = out / artifact_path(be, sig)
+    if be.name == "inductor":
+        inductor.build(_program(plan, sig), sig, r.decode.batch_sizes, r.target, path, key)
+    else:
+        be = prepare(plan, be)
+        neuron.build(plan, sig, out, be.roots[sig.program], be.kernels[sig.program])
+    return path
+
+
+def artifact_entry(plan, sig, be: Backend, out: Path, path: str | None, status: str = "ok") -> dict:
+    """The manifest's compile entry of one program (a NEFF's header read in)."""
+    e = _entry(sig, be.fmt, path, out, be.target, be.compiler, be.flags[sig.program], status,
+               be.kernels[sig.program])
+    if be.name == "neuron" and path:
+        e["neff"] = neff.read(out / path).to_dict()
+    return e
+
+
 def run(plan, out: Path, state, progress, require_neff: bool = False, before_write=lambda: None, cache=None):
     """(manifest compile entry, stage key, status, detail) for the compile stage; ``before_write``
     is called before the first artifact is (re)written. ``cache``: a ``cache.CompileCache`` looked
     up before compiling a program (and pushed to after, if asked)."""
     r = plan.recipe
     sigs = signature.programs(plan)
-    kernels = {p: None for p in ("decode", "tail")}
-    if r.backend == "inductor":
-        backend, fmt, suffix = inductor, "aoti-pt2", "pt2"
-        flags = {p: inductor.flags(r.target, r.decode.batch_sizes) for p in kernels}
-        unavailable = inductor.available(r.target)
-    else:
-        backend, fmt, suffix = neuron, "neff", "neff"
-        flags = {p: neuron.flags(r, p) for p in kernels}
-        unavailable = neuron.sdk()
-        kernels = {p: neuron.kernel(r, p) for p in kernels}
-    comp = backend.compiler()
-    kernel_keys = {p: None if rec is None else neuron.key_of(rec) for p, rec in kernels.items()}
-    k = key("compile", r.backend, r.target, comp, flags,
+    be = backend(plan)
+    keys = program_keys(plan, be, sigs)
+    # a host that cannot compile (no Neuron SDK) still assembles a build the compile cache holds whole
+    skipped = be.unavailable
+    if skipped and cache and all(cache.holds(keys[s.key], s.key, be.expect(s.program)) for s in sigs):
+        skipped = None
+    k = key("compile", r.backend, r.target, be.compiler, be.flags,
             [[s.key, [i.to_dict() for i in s.inputs], list(s.outputs), s.scalars] for s in sigs],
-            plan.scalars, asdict(r.tail), kernel_keys, unavailable, __version__)
-    paths = {s.key: f"{OUT}/{s.key}.{suffix}" for s in sigs}
-    if unavailable:
-        status = f"skipped: {unavailable}"
+            plan.scalars, asdict(r.tail), {p: be.kernel_key(p) for p in be.kernels}, skipped, __version__)
+    paths = {s.key: artifact_path(be, s) for s in sigs}
+    for p in paths.values():  # written and replaced below: never through a link
+        inside(out, p)
+    if skipped:
+        status = f"skipped: {skipped}"
         if r.backend == "neuron" and require_neff:
-            raise GkError(f"--require-neff: {unavailable}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
+            raise GkError(f"--require-neff: {skipped}; install the Neuron SDK (pip install 'gkbuild[neuron]' "
                           f"from the Neuron repository)")
-        warn(f"{r.target} artifacts not compiled: {unavailable}; everything else is built (the manifest records "
+        warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        entries = [_entry(s, fmt, None, out, r.target, comp, flags[s.program], status, kernels[s.program])
-                   for s in sigs]
-        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", unavailable
-    roots = {}
-    if r.backend == "neuron":  # the checkouts say which switches each library reads: every one is set
-        from ..checkpoint.source import cache_root
-
-        for p in kernels:
-            roots[p], kernels[p] = neuron.prepare(r, p, kernels[p], cache_root())
-    cached = state.stages.get("compile") == k and all((out / p).exists() for p in paths.values())
-    keys = {s.key: compile_cache.program_key(plan, s, comp, flags[s.program], kernel_keys[s.program]) for s in sigs}
+        why = conformance.isa_refusal(r) if r.backend == "neuron" else None
+        if why:
+            warn(f"and they would not compile: {why}")
+        entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
+        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", skipped
+    be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set
+    # re-verified: an artifact edited since it was compiled is compiled (or restored) again
+    cached = state.stages.get("compile") == k and all(
+        (out / p).is_file() and sha256_file(out / p) == state.artifacts.get(p) for p in paths.values())
     t0 = time.perf_counter()
     if not cached:
         before_write()
         progress.task("compile", f"compile {len(sigs)} programs ({r.backend})", 0)
         for s in sigs:
-            expect = {"format": fmt, "target": r.target, "compiler": comp, "flags": flags[s.program]}
-            if cache and cache.restore(keys[s.key], s.key, out / paths[s.key], expect):
-                continue
-            if r.backend == "inductor":
-                inductor.build(_program(plan, s), s, r.decode.batch_sizes, r.target, out / paths[s.key])
-            else:
-                neuron.build(plan, s, out, roots[s.program], kernels[s.program])
-    entries = [_entry(s, fmt, paths[s.key], out, r.target, comp, flags[s.program], "ok", kernels[s.program])
-               for s in sigs]
-    if r.backend == "neuron":
-        for e in entries:
-            e["neff"] = neff.read(out / e["path"]).to_dict()
+            if not (cache and cache.restore(keys[s.key], s.key, out / paths[s.key], be.expect(s.program))):
+                compile_program(plan, s, be, out, keys[s.key])
+    entries = [artifact_entry(plan, s, be, out, paths[s.key]) for s in sigs]
+    state.artifacts = {e["path"]: e["sha256"] for e in entries}
     if cache and cache.push_enabled:
-        for e in entries:
-            cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        try:
+            for e in entries:
+                cache.push(keys[e["name"]], e["name"], out / e["path"], e)
+        except (GkError, OSError) as err:  # the build is whole without it; a rerun does not compile again
+            warn(f"compile cache: pushing to {cache.uri} failed ({os_error(err) if isinstance(err, OSError) else err}); "
+                 f"the build is complete, its programs were not stored")
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
     if cache and cache.summary():
         detail += f"; {cache.summary()}"
@@ -114,6 +188,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
 
 
 def _program(plan, sig):
+    from ..kernels.decode import Scalars
+    from .programs import DecodeProgram, TailProgram
+
     if sig.program == "decode":
         return DecodeProgram(sig, Scalars.from_plan(plan, ep_rank=0), plan.kv)
     s = plan.scalars

@@ -61,6 +61,8 @@ CATALOGUE = {
     "VLLM_NEURON_MEGA_GATE_P2_SWA": ("exact", "DMA priority 2 for the sliding layers' gate prefetch"),
     "VLLM_NEURON_MEGA_GU_DMA_ENGINE": ("exact", "'swdge' puts the gate/up load on the software DGE queue"),
     "VLLM_NEURON_MEGA_SCALE_1TRIG": ("exact", "load the gate/up MX scales in 4 DMAs instead of 4 per I tile"),
+    "VLLM_NEURON_MEGA_MOE_SWDGE": ("exact", "the MoE weight loads on the software DGE queue"),
+    "VLLM_NEURON_MEGA_UPDOWN_P0": ("exact", "DMA priority 0 for the up half and the down weight loads"),
 }
 
 
@@ -117,17 +119,26 @@ def overrides(recipe_switches: list[str]) -> dict[str, str]:
     return dict(sw.partition("=")[::2] for sw in recipe_switches)
 
 
-def settings(reads: list[dict], off_values: list[str] | None, asked: dict[str, str], where: str) -> list[Setting]:
+def settings(reads: list[dict], off_values: list[str] | None, asked: dict[str, str], where: str,
+             partial: bool = False) -> list[Setting]:
     """Every switch ``reads`` names, each with its explicit value: the recipe's (``asked``) or the
-    reference path's. Refuses, in one line, a switch the revision does not read, the KV write-back
-    turned off, and a layout switch turned on."""
+    reference path's. Refuses, in one line, a read whose form gkbuild cannot tell, a switch the
+    revision does not read, the KV write-back turned off, and a layout switch turned on.
+    ``partial``: ``reads`` cover only some of the library's files (a committed interface, before
+    the checkout is scanned): a recipe switch they do not name is kept, to be judged by the scan."""
+    odd = [r for r in reads if r["read"] == "unrecognized"]
+    if odd:
+        raise GkError(f"{where}: {odd[0]['site']}: {odd[0]['name']} is read as `{odd[0]['expr']}`, a form gkbuild cannot "
+                      f"tell; every switch is set explicitly, and this one cannot be")
     off = off_values or DEFAULT_OFF
     merged = _merge(reads)
     unknown = sorted(set(asked) - set(merged))
-    if unknown:
+    if unknown and not partial:
         raise GkError(f"{where}: compile.kernel_switches: {unknown} are not read by this kernel revision "
                       f"(it reads {sorted(merged) or 'none'})")
-    out = []
+    out = [Setting(n, asked[n], "unknown", None, "recipe", CATALOGUE.get(n, ("unknown", ""))[0],
+                   CATALOGUE.get(n, ("", "not read by the files of gkbuild's interface; judged when the checkout is "
+                                     "scanned"))[1], ()) for n in unknown]
     for name, r in sorted(merged.items()):
         numerics, effect = CATALOGUE.get(name, ("unknown", "not in gkbuild's catalogue: kept on the reference path "
                                                            "unless the recipe sets it"))

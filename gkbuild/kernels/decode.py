@@ -35,6 +35,10 @@ from . import mx
 from .rope import apply as rope_apply, fused_tables
 
 FP8_MAX = {"fp8_e4m3": 240.0, "fp8_e4m3fn": 448.0}
+# Packed FP8 K is written through an IEEE e4m3 view on every target (attention_tkg
+# ``_k_update_fp8_packed``: ``reinterpret_cast(nl.float8_e4m3)`` of the row, in A and F): at most 240
+# survives, whatever the cache's own format. The active token still attends at the format's max.
+PACKED_K_MAX = 240.0
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ def attention(t: dict, i: int, X: torch.Tensor, K_half, V_half, ctl: Control, sc
     idx = ctl.update_idx_swa if sliding else ctl.update_idx
     live = (idx >= 0)[:, None, None]
     blk, off = torch.div(idx, sc.block_size, rounding_mode="floor"), idx % sc.block_size
-    k_new = torch.where(live, _store(k, K_half.dtype, fp8), kvlayout.read_k(K_half, blk, off, sc.packed))
+    k_max = min(fp8, PACKED_K_MAX) if fp8 and sc.packed else fp8
+    k_new = torch.where(live, _store(k, K_half.dtype, k_max), kvlayout.read_k(K_half, blk, off, sc.packed))
     v_new = torch.where(live, _store(v, V_half.dtype, fp8), V_half[blk, :, off])
     kvlayout.write_k(K_half, blk, off, k_new, sc.packed)
     V_half[blk, :, off] = v_new

@@ -94,6 +94,26 @@ class Controls:
         self.blocks = [_Blocks(self.rows, self.num_blocks, self.block, self.window, kv.form) for _ in range(self.dp)]
         self.pos = 0
 
+    def admit(self, computed: int) -> None:
+        """Take requests whose first ``computed`` positions were computed elsewhere (a DI
+        prefill): their blocks are allocated as the steps would have allocated them and no step
+        runs; the next step is at position ``computed``."""
+        if self.pos:
+            raise GkError("admit: this session has already run steps")
+        if computed >= self.nbf * self.block:
+            raise GkError(f"{computed} prefilled positions exceed the build's decode.max_context of "
+                          f"{self.nbf * self.block}")
+        for blocks in self.blocks:
+            for r in range(self.rows):
+                for pos in range(computed):
+                    blocks.advance(r, pos)
+        self.pos = computed
+
+    def block_ids(self, replica: int, row: int) -> dict:
+        """A row's block ids: ``full`` one a logical block, ``swa`` {logical block: id} (the window's)."""
+        b = self.blocks[replica]
+        return {"full": list(b.full[row]), "swa": dict(b.swa[row])}
+
     def next(self) -> list[decode.Control]:
         """Every replica's control for the next position."""
         if self.pos >= self.nbf * self.block:

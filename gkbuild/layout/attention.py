@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import GkError
 from . import arrays, hidden, replicated
 from .dims import Dims
 
@@ -57,8 +58,22 @@ def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarr
     cols = o_w[:, t * dims.q_l * dims.d:(t + 1) * dims.q_l * dims.d]
     w = arrays.transpose(hidden.to_kernel(cols, 0, dims.Hp))
     if v_scale != 1.0:
-        w = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
+        with np.errstate(over="ignore", under="ignore"):  # judged below, in one line
+            folded = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
+        check_fold(w, folded, f"W_out with kv_cache.v_scale {v_scale!r} folded in")
+        w = folded
     return w
+
+
+def check_fold(before: np.ndarray, after: np.ndarray, what: str) -> None:
+    """A fold of a scale into weights must stay in the weights' range: every value finite, and no
+    value that was not zero flushed to zero (an extreme scale would make a build of inf, NaN or
+    zeros that loads and runs)."""
+    a = after.astype(np.float32)
+    if not np.isfinite(a).all():
+        raise GkError(f"{what}: overflows {after.dtype} (non-finite values); the scale is out of range")
+    if np.any((a == 0) & (before.astype(np.float32) != 0)):
+        raise GkError(f"{what}: underflows {after.dtype} (values flushed to zero); the scale is out of range")
 
 
 def w_out_inverse(dims: Dims, shards: list[np.ndarray], v_scale: float = 1.0) -> np.ndarray:

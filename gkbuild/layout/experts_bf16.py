@@ -12,20 +12,18 @@ axes as for the MX layout.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
+from ..dtypes import dtype
 from . import arrays, hidden
 from .dims import Dims
 from .experts_mx import UP_BIAS_SHIFT
-
-BF16 = ml_dtypes.bfloat16
 
 
 def gate_up_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
     """Dequantized HF gate_up [E_L, 2I, H] (float) -> [E_L, Hp, 2, Ip] bf16."""
     E_L = w.shape[0]
-    p = hidden.to_kernel(hidden.pad(w.astype(BF16), 1, 2 * dims.Ip), 2, dims.Hp)  # [E_L, 2Ip, x]
+    p = hidden.to_kernel(hidden.pad(w.astype(dtype("bf16").numpy), 1, 2 * dims.Ip), 2, dims.Hp)  # [E_L, 2Ip, x]
     return np.ascontiguousarray(p.reshape(E_L, dims.Ip, 2, dims.Hp).transpose(0, 3, 2, 1))
 
 
@@ -53,7 +51,7 @@ def gate_up_inverse(dims: Dims, W: np.ndarray, B: np.ndarray, bias_dtype):
 
 def down_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
     """Dequantized HF down [E_L, H, I] (float) -> [E_L, Ip, Hp] bf16."""
-    return arrays.transpose(hidden.to_kernel(hidden.pad(w.astype(BF16), 2, dims.Ip), 1, dims.Hp))
+    return arrays.transpose(hidden.to_kernel(hidden.pad(w.astype(dtype("bf16").numpy), 2, dims.Ip), 1, dims.Hp))
 
 
 def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:

@@ -54,8 +54,11 @@ def _padded(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """[E_L, r, c] zero-padded at the end of both axes to [E_L, rows, cols]."""
     if a.shape[1:] == (rows, cols):
         return a
-    out = np.zeros((a.shape[0], rows, cols), a.dtype)
-    out[:, :a.shape[1], :a.shape[2]] = a
+    r, c = a.shape[1:]
+    out = np.empty((a.shape[0], rows, cols), a.dtype)  # only the padding is zeroed: one pass, not two
+    out[:, :r, :c] = a
+    out[:, :r, c:] = 0
+    out[:, r:] = 0
     return out
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from ..plan import group_ranks, rank_ranges
 from . import manifest as mf
 from .fingerprint import sha256_file
-from .state import STATE_DIR, State
+from ..paths import RESERVED
+from .state import State
 
 
 def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
@@ -31,7 +32,7 @@ def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
             out.append(f"sha256 mismatch: {f['path']} is {digest}, manifest says {f['sha256']}")
     for p in sorted(build_dir.rglob("*")):
         rel = p.relative_to(build_dir).as_posix()
-        if p.is_dir() or rel == mf.NAME or rel.split("/")[0] == STATE_DIR:
+        if p.is_dir() or rel.split("/")[0] in RESERVED:
             continue
         if rel not in listed:
             out.append(f"extra: {rel} is not in the manifest")

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from ..checkpoint import mxfp4, names
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
+from ..dtypes import dtype
 from ..layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
 from ..layout.dims import Dims
+from ..paths import inside
 from .fingerprint import sha256_file
 
 LAYOUT_VERSION = 2  # bump when any shard's bytes change for the same inputs
@@ -139,7 +140,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
             ck.release(names.EMBED, r0, r1)
             yield embedding.hidden_shard(block, index, d.tp) if ctx.embedding == "hidden" else block
         if ctx.embedding == "vocab" and hi - lo < rows:  # the last rank's rows past V
-            yield np.zeros((rows - (hi - lo), d.Hp), ml_dtypes.bfloat16)
+            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").numpy)
 
     return {"embed_tokens" if ctx.embedding == "host" else "embed_weight": table}
 
@@ -217,7 +218,7 @@ def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:
     from pathlib import Path
 
     ck = _checkpoint(ctx.ckpt_root)
-    path = Path(ctx.out_dir) / job.path
+    path = inside(Path(ctx.out_dir), job.path)
     meta = {"gkbuild_role": job.role, "gkbuild_layout_version": str(LAYOUT_VERSION)}
     producers = PRODUCERS[job.role](ctx, ck, job.index)
     # Tensors in file order, so the writer hashes as it appends (no read-back). Not fsynced here:

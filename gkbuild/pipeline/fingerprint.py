@@ -30,10 +30,11 @@ def sha256_file(path: Path, advance=lambda n: None) -> str:
 
 
 def identity(path: Path) -> str:
-    """What a remembered hash is keyed by: real path, size, mtime, inode (a file replaced by
-    another, even of the same size and time, is hashed again)."""
+    """What a remembered hash is keyed by: real path, size, mtime, inode and ctime (a file
+    replaced by another, even of the same size and time, is hashed again; so is one edited in
+    place with its mtime put back: no one but the kernel sets the ctime)."""
     st = os.stat(path)
-    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
 
 
 def lfs_sha(path: Path) -> str | None:
@@ -43,6 +44,10 @@ def lfs_sha(path: Path) -> str | None:
         if _SHA.match(name) and Path(os.path.realpath(path)).parent.name == "blobs":
             return name
     return None
+
+
+def _key(path: Path, scope: str | None) -> str:
+    return identity(path) if scope is None else f"{scope}|{identity(path)}"
 
 
 class Fingerprints:
@@ -61,11 +66,13 @@ class Fingerprints:
 
         return read_json_record(self.path, problem) or {}
 
-    def lookup(self, path: Path) -> str | None:
-        return lfs_sha(path) or self.known.get(identity(path))
+    def lookup(self, path: Path, scope: str | None = None) -> str | None:
+        """The remembered sha256 of ``path``; with ``scope`` (a runtime: the sha256 of the manifest
+        that vouches for the file), only a hash remembered under that same scope."""
+        return (lfs_sha(path) if scope is None else None) or self.known.get(_key(path, scope))
 
-    def remember(self, path: Path, digest: str) -> None:
-        self.known[identity(path)] = self._new[identity(path)] = digest
+    def remember(self, path: Path, digest: str, scope: str | None = None) -> None:
+        self.known[_key(path, scope)] = self._new[_key(path, scope)] = digest
 
     def save(self) -> None:
         if not self._new:

@@ -33,10 +33,11 @@ from ..paths import claim, file_lock, inside, our_temporaries
 from ..plan import Plan, ShardFile, make_plan
 from ..progress import Progress
 from ..recipe import Recipe
+from ..publish import signing
 from . import manifest as mf
 from .emit import LAYOUT_VERSION, Context, ShardJob, init_worker, run_hash, run_shard
 from .fingerprint import Fingerprints, sha256_file
-from .state import STATE_DIR, State, key, write_json_atomic
+from .state import STATE_DIR, State, dumps_strict, intact, key, stat_of, write_bytes_atomic
 
 # Seconds between the syncs that commit finished shards to the state: what an interruption can
 # cost at most (a shard written but not yet committed is rewritten on the next run).
@@ -87,6 +88,9 @@ class _Runner:
     """A process pool whose workers report (task, bytes) to the progress bars."""
 
     def __init__(self, jobs: int, progress: Progress):
+        from ..dtypes import dtype
+
+        dtype("bf16").numpy  # ml_dtypes imported once here, inherited by every forked worker
         ctx = mp.get_context("fork")
         self.queue = ctx.SimpleQueue()
         self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=init_worker,
@@ -167,6 +171,7 @@ class _Build:
         path = self.out / mf.NAME
         if path.exists() or path.is_symlink():
             path.unlink()
+            signing.write_folder(self.out, None)  # a signature of the old manifest goes with it
             fsync_dir(self.out)
 
     def report(self, name: str, ran: bool, t0: float, detail: str = "") -> None:
@@ -233,7 +238,8 @@ class _Build:
                 self.fps.save()
                 unknown, self._fp = [], self.source_fp()
             todo = self._todo()
-            if todo or any(p not in {f.path for f in self.plan_.files} for p in self.state.shards):
+            planned = {f.path for f in self.plan_.files}
+            if todo or any(p not in planned for p in self.state.shards):
                 self.unpublish()
             if todo or unknown:
                 # A first build with unhashed sources hashes them alongside the emission.
@@ -283,7 +289,7 @@ class _Build:
             rec = self.state.shards.get(f.path)
             p = self.out / f.path
             ok = (rec is not None and self._fp is not None and rec["key"] == shard_key(self.plan_, f, self._fp)
-                  and p.exists() and p.stat().st_size == rec["size"])
+                  and intact(p, rec))  # re-verified: a file edited since it was written is written again
             if not ok:
                 todo.append(f)
         return todo
@@ -310,7 +316,8 @@ class _Build:
         syncfs(self.out)
         for f in self._unrecorded:
             size, sha = self._results[f.path]
-            self.state.shards[f.path] = {"key": shard_key(self.plan_, f, self._fp), "size": size, "sha256": sha}
+            self.state.shards[f.path] = {"key": shard_key(self.plan_, f, self._fp), "size": size, "sha256": sha,
+                                         "stat": stat_of(self.out / f.path)}
         self._unrecorded.clear()
         self.state.save()
         self._last_sync = time.monotonic()
@@ -320,11 +327,14 @@ class _Build:
         t0 = time.perf_counter()
         docs = layout_docs(self.plan_)
         self.keys["layout"] = key("layout", docs, __version__)
-        cached = self.state.stages.get("layout") == self.keys["layout"] and all((self.out / p).exists() for p in docs)
-        if not cached:
+        data = {p: dumps_strict(doc) for p, doc in docs.items()}
+        cached = self.state.stages.get("layout") == self.keys["layout"] and all(
+            os.path.isfile(self.out / p) and os.path.getsize(self.out / p) == len(b) and (self.out / p).read_bytes() == b
+            for p, b in data.items())
+        if not cached:  # re-verified: metadata edited since it was written is written again
             self.unpublish()
-            for p, doc in docs.items():
-                write_json_atomic(inside(self.out, p), doc)
+            for p, b in data.items():
+                write_bytes_atomic(inside(self.out, p), b)
         self.layout_files = [{"path": p, "size": (self.out / p).stat().st_size,
                               "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
         self.report("layout", not cached, t0, ", ".join(docs))

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import fsync_dir
+from .. import jsonio
 from ..errors import GkError
-from ..paths import STATE_DIR, confined
+from ..paths import STATE_DIR, confined, create, inside
 
 MAX_RECORD = 64 << 20  # a state or fingerprint file is never near this; a bigger one is not read
 
@@ -28,7 +29,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -58,30 +59,57 @@ def read_json_record(path: Path, valid) -> dict | None:
     from ..progress import warn
 
     try:
-        if path.stat().st_size > MAX_RECORD:
-            raise ValueError(f"{path.stat().st_size} bytes")
-        obj = json.loads(path.read_bytes())
+        obj = jsonio.read(path, MAX_RECORD)
         why = valid(obj)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except jsonio.BadJson as e:
+        why = str(e).removeprefix(f"{path}: ")
+    except OSError as e:
         why = str(e) or type(e).__name__
     if why is None:
         return obj
     n = 0
     while os.path.lexists(aside := path.with_name(f"{path.name}.corrupt-{n}")):
         n += 1
-    os.replace(path, aside)
+    try:
+        os.replace(path, aside)
+    except OSError as e:  # a read-only cache: ignored, not moved
+        warn(f"{path}: unreadable ({why[:120]}); ignored (cannot set it aside: {e.strerror})")
+        return None
     warn(f"{path}: unreadable ({why[:120]}); set aside as {aside.name} and starting afresh")
     return None
+
+
+def stat_of(path: Path) -> list[int]:
+    """What says a file was not written since: size, mtime, ctime (no one but the kernel sets
+    it: an edit that puts the mtime back still moves it) and inode."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def intact(path: Path, rec: dict) -> bool:
+    """Whether the file a state record describes (``size``, ``sha256``, ``stat``) still holds what
+    was written: unchanged since (its stat), or else its bytes hash to the record. A reused stage's
+    outputs pass this before a manifest vouches for them."""
+    from .fingerprint import sha256_file
+
+    try:
+        st = stat_of(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if st[0] != rec["size"] or not os.path.isfile(path):
+        return False
+    return rec.get("stat") == st or sha256_file(path) == rec["sha256"]
 
 
 def _state_problem(d) -> str | None:
     if not isinstance(d, dict):
         return "not a JSON object"
     stages, shards, source = d.get("stages", {}), d.get("shards", {}), d.get("source", {})
-    if not (isinstance(stages, dict) and all(isinstance(v, str) for v in stages.values())):
-        return "stages is not a map of keys"
+    for what, m in (("stages", stages), ("artifacts", d.get("artifacts", {}))):
+        if not (isinstance(m, dict) and all(isinstance(v, str) for v in m.values())):
+            return f"{what} is not a map of keys"
     if not isinstance(source, dict) or not isinstance(shards, dict):
         return "source or shards is not an object"
     for path, rec in shards.items():
@@ -97,12 +125,22 @@ def _state_problem(d) -> str | None:
 
 class State:
     def __init__(self, build_dir: Path):
-        self.path = Path(build_dir) / STATE_DIR / "state.json"
+        self.path = inside(Path(build_dir), f"{STATE_DIR}/state.json")
         d = read_json_record(self.path, _state_problem) or {}
         self.stages: dict[str, str] = d.get("stages", {})
         self.shards: dict[str, dict] = d.get("shards", {})
         self.source: dict = d.get("source", {})
+        self.artifacts: dict[str, str] = d.get("artifacts", {})  # compiled path -> sha256 as written
+        self._saved = self._bytes() if d else None
+
+    def _bytes(self) -> bytes:
+        return dumps_strict({"stages": self.stages, "shards": self.shards, "source": self.source,
+                             "artifacts": self.artifacts}, indent=None)
 
     def save(self) -> None:
-        write_json_atomic(self.path, {"stages": self.stages, "shards": self.shards, "source": self.source},
-                          indent=None)
+        """Write the state (atomically, synced) unless it is what the file already holds: a no-op
+        build writes nothing."""
+        data = self._bytes()
+        if data != self._saved:
+            write_bytes_atomic(self.path, data)
+            self._saved = data

@@ -22,14 +22,13 @@ from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import STATE_DIR, read_json_record, write_bytes_atomic, write_json_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
-from ..paths import confined, inside
+from ..paths import PROVENANCE, SIGNATURE, confined, create, inside
 from ..progress import bar
-from . import codec, index
+from . import codec, index, signing
 from .parallel import run_each
 from .stores import open_store
 
 RECORD = f"{STATE_DIR}/fetch.json"
-MAX_MANIFEST = 64 << 20
 
 
 def read_manifest(store) -> tuple[dict, dict, bytes]:
@@ -41,7 +40,7 @@ def read_manifest(store) -> tuple[dict, dict, bytes]:
     idx = index.parse(raw, f"{store.uri}/{index.NAME}")
     e = idx["manifest"]
     where = f"{store.uri}/{e['blob']} (the manifest)"
-    if e["size"] > MAX_MANIFEST:
+    if e["size"] > mf.MAX_MANIFEST:
         raise GkError(f"{where}: declares {e['size']} bytes; a manifest is never that large")
     buf = io.BytesIO()
     with store.open_blob(e["blob"]) as f:
@@ -65,6 +64,24 @@ def read_manifest(store) -> tuple[dict, dict, bytes]:
     for p in listed:
         confined(p, f"{store.uri} manifest")
     return idx, m, buf.getvalue()
+
+
+def read_signed(store, idx: dict) -> tuple[bytes, bytes] | None:
+    """(signature, provenance) a store keeps beside a build's manifest, or None when unsigned;
+    each bounded and checked against its index entry."""
+    if "signature" not in idx:
+        return None
+    out = []
+    for k, limit in (("signature", signing.MAX_SIGNATURE), ("provenance", signing.MAX_PROVENANCE)):
+        e, buf = idx[k], io.BytesIO()
+        where = f"{store.uri}/{e['blob']} (the {k})"
+        if e["size"] > limit:
+            raise GkError(f"{where}: declares {e['size']} bytes; a {k} is never that large")
+        with store.open_blob(e["blob"]) as f:
+            if codec.decode(f, buf, e["encoding"], e["size"], e["stored_size"], where) != e["sha256"]:
+                raise GkError(f"{where}: its content is not the sha256 the index names")
+        out.append(buf.getvalue())
+    return out[0], out[1]
 
 
 def _record_problem(d) -> str | None:
@@ -122,7 +139,7 @@ def _prepare(dest: Path, m: dict, record: _Record) -> None:
             del record.files[rel]
     for p in sorted(dest.rglob("*")) if dest.exists() else []:
         rel = p.relative_to(dest).as_posix()
-        if rel.split("/")[0] == STATE_DIR or (p.is_dir() and not p.is_symlink()):
+        if rel in (SIGNATURE, PROVENANCE) or rel.split("/")[0] == STATE_DIR or (p.is_dir() and not p.is_symlink()):
             continue
         if rel in record.files:
             continue
@@ -134,22 +151,31 @@ def _prepare(dest: Path, m: dict, record: _Record) -> None:
 
 
 def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = None, quiet: bool = False,
-          api=None, fs=None) -> dict:
-    """Fetch the build published at ``src`` into ``dest``; returns a report."""
+          api=None, fs=None, trust: list | None = None) -> dict:
+    """Fetch the build published at ``src`` into ``dest``; returns a report. ``trust``: keys and
+    identities (``signing.trust_list``), one of which must have signed the build: checked before
+    anything is written, and the signature kept beside the manifest for ``Build.open(trust=...)``."""
     dest = Path(dest)
     store = open_store(src, api=api, fs=fs)
     idx, m, man_bytes = read_manifest(store)
+    signed = read_signed(store, idx)
+    if trust is not None:
+        v = signing.verify(man_bytes, signed, trust, f"{store.uri} (build {m['name']} {m['build_id'][:16]})")
     if expect and not (len(expect) >= 12 and m["build_id"].startswith(expect.lower())):
         raise GkError(f"{store.uri}: holds build {m['build_id'][:16]}, not the expected {expect} "
                       f"(give at least 12 hex digits)")
     if os.path.lexists(dest) and not dest.is_dir():
         raise GkError(f"{dest}: exists and is not a folder; fetch into a new or empty folder")
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "dest": str(dest),
-              "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0}
-    if (dest / mf.NAME).exists() and (dest / mf.NAME).read_bytes() == man_bytes:
+              "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0,
+              "signed_by": str(v.by) if trust is not None else None}
+    if (dest / mf.NAME).exists() and mf.read_bytes(dest) == man_bytes:
         report["already"] = True
         return report
     inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
+    for p in (dest / STATE_DIR).glob(".fetch.json.*.partial") if (dest / STATE_DIR).is_dir() else []:
+        if p.is_file() and not p.is_symlink():  # a fetch killed while it recorded a file
+            p.unlink()
     record = _Record(dest, m["build_id"])
     _prepare(dest, m, record)
     staging = dest / STATE_DIR / "fetch"
@@ -164,7 +190,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
         where = f"{store.uri}/{f['blob']} ({f['path']})"
         try:
-            with store.open_blob(f["blob"]) as s, open(tmp, "wb") as out:
+            with store.open_blob(f["blob"]) as s, os.fdopen(create(tmp), "wb") as out:
                 got = codec.decode(s, out, f["encoding"], f["size"], f["stored_size"], where, advance)
                 out.flush()
                 os.fsync(out.fileno())
@@ -183,6 +209,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
 
     with bar(f"fetch {m['name']}", sum(f["size"] for f in todo), quiet) as advance:
         run_each(fetch_one, todo, jobs or store.concurrency)
+    signing.write_folder(dest, signed)
     write_bytes_atomic(dest / mf.NAME, man_bytes)
     (dest / RECORD).unlink(missing_ok=True)
     staging.rmdir()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 
+from .. import jsonio
 from ..errors import GkError
 from ..paths import confined
 from .codec import EXT
@@ -40,14 +41,18 @@ def entry(path: str, size: int, sha256: str, encoding: str, stored_size: int) ->
             "blob": blob_name(sha256, encoding)}
 
 
-def make(manifest: dict, manifest_entry: dict, files: list[dict]) -> dict:
+SIGNED = ("signature", "provenance")  # beside the manifest when the build is signed
+
+
+def make(manifest: dict, manifest_entry: dict, files: list[dict], signed: dict | None = None) -> dict:
+    """``signed``: the signature's and provenance's entries (no path), for a signed build."""
     return {"format": FORMAT, "version": VERSION, "name": manifest["name"], "build_id": manifest["build_id"],
-            "manifest": manifest_entry, "files": sorted(files, key=lambda e: e["path"])}
+            "manifest": manifest_entry, "files": sorted(files, key=lambda e: e["path"]), **(signed or {})}
 
 
 def blobs(index: dict) -> set[str]:
-    """Every blob an index references (the manifest's included)."""
-    return {e["blob"] for e in [index["manifest"], *index["files"]]}
+    """Every blob an index references (the manifest's, signature's and provenance's included)."""
+    return {e["blob"] for e in [index["manifest"], *index["files"], *(index[k] for k in SIGNED if k in index)]}
 
 
 def by_kind(entries: list[dict]) -> dict[str, dict]:
@@ -71,10 +76,7 @@ def dumps(index: dict) -> bytes:
 
 def load_versioned(data: bytes, where: str, fmt: str, version: int, what: str) -> dict:
     """A JSON object of a gkbuild ``format`` and ``version`` (what a store holds), else one line."""
-    try:
-        doc = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GkError(f"{where}: not valid JSON ({e})") from None
+    doc = jsonio.loads(data, where)
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise GkError(f"{where}: not a gkbuild {what}")
     if doc.get("version") != version:
@@ -90,9 +92,12 @@ def parse(data: bytes, where: str) -> dict:
     if not isinstance(files, list) or not isinstance(idx.get("manifest"), dict):
         raise GkError(f"{where}: malformed index (no files or manifest entry)")
     seen = set()
-    for e in [idx["manifest"], *files]:
+    signed = [idx[k] for k in SIGNED if k in idx]
+    if len(signed) not in (0, 2):
+        raise GkError(f"{where}: malformed index (a signature without its provenance, or the reverse)")
+    for e in [*signed, idx["manifest"], *files]:
         _check_entry(e, where)
-        if e is not idx["manifest"]:
+        if e is not idx["manifest"] and e not in signed:
             confined(e["path"], where)
             if e["path"] in seen:
                 raise GkError(f"{where}: {e['path']} is listed twice")

@@ -13,13 +13,15 @@ import os
 import threading
 from pathlib import Path
 
+from ..errors import GkError
+from ..paths import PROVENANCE, SIGNATURE
 from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
-from ..errors import GkError
 from ..progress import bar, warn
-from . import codec, index
+from . import codec, index, signing
+from .leases import Lease, expired, others_alive
 from .parallel import run_each
-from .stores import open_store
+from .stores import live_blobs, open_store
 
 
 def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
@@ -43,20 +45,37 @@ def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
 
 
 def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | None = None, prune: bool = False,
-            quiet: bool = False, api=None, fs=None) -> dict:
-    """Publish ``build_dir`` to ``dest`` (a folder or ``hf://org/name[@branch]``); returns a report."""
+            quiet: bool = False, api=None, fs=None, sign: str | None = None) -> dict:
+    """Publish ``build_dir`` to ``dest`` (a folder, ``hf://org/name[@branch]`` or ``s3://``); returns a
+    report. ``sign``: a private key's PEM file, or ``sigstore`` (keyless, CI's OIDC identity): the
+    signature and provenance go beside the manifest, in the build folder and in the store. Without
+    it, a signature the build folder already has is published as it is (a fetch verifies it)."""
     build_dir = Path(build_dir)
-    m = mf.load(build_dir)
-    man_bytes = (build_dir / mf.NAME).read_bytes()
+    man_bytes = mf.read_bytes(build_dir)
+    m = mf.parse(man_bytes, str(build_dir / mf.NAME))
+    if sign:
+        prov = signing.dumps(signing.provenance(m, man_bytes))
+        signing.write_folder(build_dir, (signing.sign(man_bytes, prov, sign), prov))
+    built = (build_dir, man_bytes, m, signing.read_folder(build_dir))
     store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
+    if not store.leases:
+        return _publish(built, store, level, jobs, prune, quiet, None)
+    store.prepare()  # refuses a folder that is not a store before the lease is written into it
+    with Lease(store) as lease:  # taken before the store is listed: a --prune elsewhere sees this publish
+        return _publish(built, store, level, jobs, prune, quiet, lease)
+
+
+def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease) -> dict:
+    build_dir, man_bytes, m, signed = built
     prev_bytes = store.read_index()
     prev = index.parse(prev_bytes, f"{store.uri}/{index.NAME}") if prev_bytes is not None else None
     stored = store.stored()
     files = [{**f, "src": build_dir / f["path"]} for f in m["files"]]
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "files": len(files),
               "uploaded_files": 0, "uploaded_bytes": 0, "raw_bytes": sum(f["size"] for f in files), "entries": []}
+    sig_sha = hashlib.sha256(signed[0]).hexdigest() if signed else None
     if (prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys()
-            and not store.verifies_blobs):
+            and not store.verifies_blobs and prev.get("signature", {}).get("sha256") == sig_sha):
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
     for f in files:
@@ -67,14 +86,18 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     store.prepare()
     man_sha = hashlib.sha256(man_bytes).hexdigest()
     man = {"path": mf.NAME, "size": len(man_bytes), "sha256": man_sha, "src": build_dir / mf.NAME}
+    beside = [{"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "src": build_dir / name}
+              for name, data in zip((SIGNATURE, PROVENANCE), signed or ())]
     groups: dict[str, list[dict]] = {}  # files with the same content share one blob
-    for f in [man, *files]:
+    for f in [man, *beside, *files]:
         groups.setdefault(f["sha256"], []).append(f)
     entries, added, lock = {}, [], threading.Lock()
     todo = list(groups.values())
 
     def store_one(same: list[dict]) -> None:
         f = same[0]
+        if lease:
+            lease.renew()
         e = _stored_entry(f, stored, store)
         if e is not None:
             with lock:
@@ -95,12 +118,35 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
 
     with bar(f"publish {m['name']}", sum(same[0]["size"] for same in todo), quiet) as advance:
         run_each(store_one, todo, jobs or os.cpu_count() or 1, on_failure=store.discard)
-    man_entry = {k: v for k, v in entries.pop(mf.NAME).items() if k != "path"}
-    idx = index.make(m, man_entry, list(entries.values()))
+    man_entry, *signed_entries = ({k: v for k, v in entries.pop(name).items() if k != "path"}
+                                  for name in (mf.NAME, *(b["path"] for b in beside)))
+    idx = index.make(m, man_entry, list(entries.values()), dict(zip(index.SIGNED, signed_entries)))
     if not added and prev is not None and index.dumps(idx) == prev_bytes:  # every blob checked, none missing
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
+    if lease:
+        gone = sorted(index.blobs(idx) - store.stored().keys())
+        if gone:  # a prune that started before this publish's lease removed a blob it reuses
+            raise GkError(f"{store.uri}: {gone[0]} vanished while publishing (a concurrent --prune?); nothing of "
+                          f"this publish is visible: run it again")
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
-    report.update(already=False, entries=idx["files"],
-                  where=store.commit(index.dumps(idx), added, message, prune))
+    report.update(already=False, entries=idx["files"], where=store.commit(index.dumps(idx), added, message))
+    if prune and lease:
+        report["pruned"] = prune_store(store, lease)
     return report
+
+
+def prune_store(store, lease: Lease) -> int:
+    """After a commit: delete the blobs the store's current index (re-read: another publish may
+    have committed since) and its compile cache do not name, temporaries and expired leases;
+    nothing while another publish holds a live lease. How many files it removed."""
+    others = others_alive(store, lease.name)
+    if others:
+        o = others[0]
+        warn(f"{store.uri}: {len(others)} other publish(es) in progress ({o.get('owner', '?')[:12]} on "
+             f"{o.get('host', '?')}); blobs not pruned (run --prune again later)")
+        return 0
+    keep = live_blobs(store, store.read_index())
+    dead = sorted(n for n in store.stored() if n not in keep) + store.temporaries()
+    store.delete(dead + expired(store))
+    return len(dead)

@@ -18,7 +18,7 @@ from typing import BinaryIO, Iterator
 
 from .. import s3
 from ..errors import GkError
-from .index import NAME, blobs, is_blob, parse
+from .index import NAME, is_blob
 from .stores import MAX_INDEX, refuse_foreign
 
 READ_BLOCK = 16 << 20  # bytes a ranged GET asks for while a blob streams
@@ -29,6 +29,7 @@ class S3Store:
     # time. S3 checksums objects at rest, and a blob edited by hand still fails every fetch (each
     # byte is hashed against the manifest), so the damage is a refused fetch, never a wrong build.
     verifies_blobs = False
+    leases = True  # blobs land before the index: a concurrent --prune must see a publish in progress
 
     def __init__(self, ref: s3.S3Ref, fs=None):
         self.ref, self.uri = ref, ref.uri
@@ -59,9 +60,12 @@ class S3Store:
                 self._bucket()
                 return None
             with f:
+                etag = f.details.get("ETag")
+                if etag is None or f.details.get("type", "file") != "file":
+                    raise GkError(f"{self.uri}/{name}: is a prefix holding other objects, not an object; refused")
                 if f.size > limit:
                     raise GkError(f"{self.uri}/{name}: {f.size} bytes; refusing to read more than {limit}")
-                return f.read(), f.details["ETag"]
+                return f.read(limit + 1), etag
 
     def _bucket(self) -> None:
         with self._errors():
@@ -127,18 +131,19 @@ class S3Store:
             with self._errors():
                 self.fs.rm([self.ref.path(n) for n in names])
 
+    def temporaries(self) -> list[str]:
+        """None to remove: an interrupted multipart upload stays for the next publish to resume."""
+        return []
+
     def discard(self) -> None:
         """Nothing to undo: blobs are content-named and invisible until an index names them."""
 
-    def commit(self, index: bytes, added: list[str], message: str, prune: bool) -> str:
+    def commit(self, index: bytes, added: list[str], message: str) -> str:
         try:
             with self._errors():
                 etag = s3.put(self.fs, self.ref, NAME, index, create=self.etag is None, etag=self.etag)
         except s3.Conflict:
             raise GkError(f"{self.uri}: another publish committed since this one read the index; nothing of this "
                           f"publish is visible (its blobs stay for the next try): run it again") from None
-        if prune:
-            keep = blobs(parse(index, NAME))
-            self.delete(sorted(n for n in self.stored() if n not in keep))
         self.etag = etag
         return f"{self.uri}/{NAME} (ETag {etag.strip(chr(34))})"

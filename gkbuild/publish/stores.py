@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ..checkpoint import hub
+from ..jsonio import read_bounded
+from ..paths import create as open_new, inside
 from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
 from ..errors import GkError
@@ -45,7 +47,7 @@ def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs
 
 def refuse_foreign(where: str, names: list[str], has_index: bool) -> None:
     """Refuse to publish into a place that holds other things and no index (``--to ~`` by mistake)."""
-    other = [n for n in names if n not in (NAME, "blobs", "compile") and not n.startswith(".")]  # compile/: a cache
+    other = [n for n in names if n not in (NAME, "blobs", "compile", "leases") and not n.startswith(".")]
     if other and not has_index:
         raise GkError(f"{where}: not empty and not a gkbuild store (holds {other[0]!r}); "
                       f"publish into an empty or new folder")
@@ -64,26 +66,32 @@ def _regular(p: Path, what: str) -> None:
 MAX_INDEX = 256 << 20  # a publish index lists a few thousand files; a bigger one is not read
 
 
-_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(?:zst|raw)\.(\d+)\.partial$")
+def live_blobs(store, index: bytes | None) -> set[str]:
+    """The blobs a store must keep: those ``index`` (its publish index) names and those its compile
+    cache's entries name (a cache and a build may share one store: neither prunes the other's)."""
+    from ..compile.cache import entries
+
+    keep = blobs(parse(index, NAME)) if index is not None else set()
+    return keep | {e["artifact"]["blob"] for e in entries(store) if "artifact" in e}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(?:zst|raw)\.\d+\.partial$")
 
 
 class DirStore:
     verifies_blobs = True  # a folder can rot or be edited: reused blobs are re-hashed
 
+    leases = True  # blobs land before the index: a concurrent --prune must see a publish in progress
+
     def __init__(self, root: Path):
         self.root = root
         self.uri = str(root)
         self.concurrency = os.cpu_count() or 1  # CPU-bound (decompress + hash): one file a core
+
+    def _at(self, name: str) -> Path:
+        """Where ``name`` lives: never through a symlink inside the store (``blobs/`` or
+        ``compile/`` linked elsewhere is refused, for reads, writes and deletes alike)."""
+        return inside(self.root, name)
 
     def read_index(self) -> bytes | None:
         p = self.root / NAME
@@ -97,19 +105,14 @@ class DirStore:
 
     @contextlib.contextmanager
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
-        if os.path.islink(self.root / "blobs"):
-            raise GkError(f"{self.root / 'blobs'}: the blob folder is a symlink; refused")
-        _regular(self.root / name, "a blob")
-        with open(self.root / name, "rb") as f:
+        p = self._at(name)
+        _regular(p, "a blob")
+        with open(p, "rb") as f:
             yield f
 
     def stored(self) -> dict[str, int]:
         """Blobs present: name -> stored size."""
-        d = self.root / "blobs"
-        if not d.is_dir():
-            return {}
-        return {f"blobs/{e.name}": e.stat().st_size for e in os.scandir(d)
-                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+        return self.list("blobs")
 
     def prepare(self) -> None:
         """Create the store, refusing a non-empty folder that is not one (``--to ~`` by mistake)."""
@@ -117,15 +120,15 @@ class DirStore:
             if not self.root.is_dir():
                 raise GkError(f"{self.root}: exists and is not a folder")
             refuse_foreign(str(self.root), [e.name for e in os.scandir(self.root)], (self.root / NAME).exists())
-        (self.root / "blobs").mkdir(parents=True, exist_ok=True)
+        self._at("blobs/x").parent.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[BinaryIO]:
         """A blob written beside its final name and renamed into place only when complete."""
-        final = self.root / name
+        final = self._at(name)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_new(tmp), "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -137,47 +140,37 @@ class DirStore:
         """A failed publish leaves only complete, content-named blobs that no index references
         (invisible to readers, reused by the next publish)."""
 
-    def commit(self, index: bytes, added: list[str], message: str, prune: bool) -> str:
-        fsync_dir(self.root / "blobs")
-        write_bytes_atomic(self.root / NAME, index)
-        if prune:
-            self._prune(index)
+    def commit(self, index: bytes, added: list[str], message: str) -> str:
+        fsync_dir(self._at("blobs/x").parent)
+        write_bytes_atomic(self._at(NAME), index)
         return str(self.root / NAME)
 
-    def _prune(self, index: bytes) -> None:
-        """Blobs the index does not name, and temporaries of publishes that died (their process
-        is gone; a live publish's are left alone)."""
-        keep = blobs(parse(index, NAME))
-        for name in self.stored():
-            if name not in keep:
-                (self.root / name).unlink(missing_ok=True)
-        for e in os.scandir(self.root / "blobs"):
-            m = _PARTIAL.match(e.name)
-            if m and e.is_file(follow_symlinks=False) and not _alive(int(m.group(1))):
-                os.unlink(e.path)
+    def temporaries(self) -> list[str]:
+        """Blob temporaries of publishes (a prune removes them once no other publish is live)."""
+        d = self._at("blobs/x").parent
+        return [f"blobs/{e.name}" for e in os.scandir(d) if _PARTIAL.match(e.name)
+                and e.is_file(follow_symlinks=False)] if d.is_dir() else []
 
     # -- small named files (the compile cache's entries) ----------------------------------------
     def get(self, name: str, limit: int = MAX_INDEX) -> bytes | None:
         """A small file of the store, or None when absent; refused through a symlink or past ``limit``."""
-        p = self.root / name
+        p = self._at(name)
         if not os.path.lexists(p):
             return None
         _regular(p, name)
-        if os.lstat(p).st_size > limit:
-            raise GkError(f"{p}: {os.lstat(p).st_size} bytes; refusing to read more than {limit}")
-        return p.read_bytes()
+        return read_bounded(p, limit)
 
     def put(self, name: str, data: bytes, create: bool = True) -> None:
         """``data`` under ``name``, whole or not at all; with ``create`` only where nothing is
         (``s3.Conflict`` otherwise: a hard link never replaces a file)."""
         from ..s3 import Conflict
 
-        final = self.root / name
+        final = self._at(name)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
         try:
-            tmp.write_bytes(data)
-            with open(tmp, "rb") as f:
+            with os.fdopen(open_new(tmp), "wb") as f:
+                f.write(data)
                 os.fsync(f.fileno())
             if not create:
                 os.replace(tmp, final)
@@ -192,19 +185,22 @@ class DirStore:
 
     def list(self, folder: str) -> dict[str, int]:
         """Plain files in ``folder`` (one level): store-relative name -> size."""
-        d = self.root / folder
-        if os.path.islink(d) or not d.is_dir():
+        d = self._at(f"{folder}/x").parent
+        if not d.is_dir():
             return {}
         return {f"{folder}/{e.name}": e.stat().st_size for e in os.scandir(d)
                 if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
 
     def delete(self, names: list[str]) -> None:
         for n in names:
-            (self.root / n).unlink(missing_ok=True)
+            self._at(n).unlink(missing_ok=True)
 
 
 class HubStore:
-    verifies_blobs = False  # LFS blobs are addressed and checked by their sha256 on the hub
+    # A reused blob is read back and hashed like a folder store's: the hub checks LFS content
+    # against the stored bytes' sha256, not against the content a blob's name promises.
+    verifies_blobs = True
+    leases = False  # one commit holds the blobs and the index, against the commit read from
 
     def __init__(self, ref: hub.HubRef, staging: Path | None, api=None, fs=None):
         self.ref, self.uri = ref, ref.uri
@@ -280,6 +276,7 @@ class HubStore:
     def prepare(self) -> None:
         if self.staging is None:
             raise GkError("internal: a hub publish needs a staging folder")
+        inside(self.staging.parents[1], f"{self.staging.parent.name}/{self.staging.name}/blobs/x")  # no links
         shutil.rmtree(self.staging, ignore_errors=True)
         (self.staging / "blobs").mkdir(parents=True)
 
@@ -291,12 +288,13 @@ class HubStore:
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    def commit(self, index: bytes, added: list[str], message: str, prune: bool = True) -> str:
-        """One commit: the new blobs, the index, and deletions of blobs the index no longer names.
-        huggingface_hub uploads large files through LFS (the hub's requirement) by itself."""
+    def commit(self, index: bytes, added: list[str], message: str) -> str:
+        """One commit: the new blobs, the index, and deletions of blobs the index no longer names
+        (nor a compile cache sharing the repo). huggingface_hub uploads large files through LFS
+        (the hub's requirement) by itself."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        keep = blobs(parse(index, NAME))
+        keep = live_blobs(self, index)
         ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n)) for n in sorted(added)]
         ops.append(CommitOperationAdd(path_in_repo=NAME, path_or_fileobj=index))
         ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(self.stored()) if n not in keep]

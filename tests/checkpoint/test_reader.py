@@ -89,7 +89,7 @@ def test_single_file_checkpoint(tiny_copy):
     ("truncate", r"truncated: tensor .* ends at data byte"),
     ("offsets", r"header offsets .* hold .* bytes but"),
     ("overlap", r"overlaps the previous tensor"),
-    ("json", r"corrupt safetensors header \(not JSON"),
+    ("json", r"corrupt safetensors header: not valid JSON"),
     ("header_len", r"header length .* exceeds"),
     ("missing", r"missing tensor model\.layers\.0\.mlp\.router\.bias"),
     ("stale_index", r"router\.bias is listed in model\.safetensors\.index\.json but not in the file"),

@@ -4,8 +4,10 @@ compiles nothing; the key follows what changes a program (compiler, flags, signa
 revision) and not the weights; a cached artifact that does not verify is never used."""
 
 import hashlib
+import io
 import json
 import re
+import zipfile
 
 import boto3
 import pytest
@@ -45,7 +47,7 @@ def no_compiler(monkeypatch):
     """inductor.build replaced: records what would be compiled, writes a stand-in package."""
     built = []
 
-    def fake_build(program, sig, batch_sizes, target, path):
+    def fake_build(program, sig, batch_sizes, target, path, key):
         built.append(sig.program)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"compiled here")
@@ -120,14 +122,32 @@ def _flip_blob(fs, root, path, e):
     fs.pipe(path, json.dumps(e).encode())
 
 
-def _forged_payload(fs, root, path, e):
-    """A consistent entry (hash, sizes, blob name) whose payload is not a package: native code
-    that is not what the compiler makes."""
-    data = b"\x7fELF not a pt2 package"
+def _forged_payload(fs, root, path, e, data=b"\x7fELF not a pt2 package"):
+    """A consistent entry (hashes, sizes, blob name, the blob's header of this key and program)
+    whose payload is not a package: native code that is not what the compiler makes."""
     sha = hashlib.sha256(data).hexdigest()
-    e["artifact"].update(sha256=sha, size=len(data), stored_size=len(data), encoding="raw",
-                         blob=index.blob_name(sha, "raw"))
-    fs.pipe(f"{root}/{e['artifact']['blob']}", data)
+    blob = cache.header(e["key"], e["program"], len(data), sha) + data
+    blob_sha = hashlib.sha256(blob).hexdigest()
+    e["artifact"].update(sha256=sha, size=len(data), stored_size=len(blob), encoding="raw", blob_sha256=blob_sha,
+                         blob=index.blob_name(blob_sha, "raw"))
+    fs.pipe(f"{root}/{e['artifact']['blob']}", blob)
+    fs.pipe(path, json.dumps(e).encode())
+
+
+def _any_zip(fs, root, path, e):
+    """A valid zip (every CRC right) that is not an AOTInductor package: refused as a .pt2."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("decode/archive_format", "zip")
+        z.writestr("decode/data/aotinductor/model/model.so", b"\x7fELF")
+    _forged_payload(fs, root, path, e, buf.getvalue())
+
+
+def _tails_blob(fs, root, path, e):
+    """The decode entry re-pointed at the tail's blob, its hashes and sizes copied: the tail's
+    native code would load as decode."""
+    _, tail = _entry_of(fs, root, "tail")
+    e["artifact"] = tail["artifact"]
     fs.pipe(path, json.dumps(e).encode())
 
 
@@ -153,6 +173,8 @@ def _not_json(fs, root, path, e):
 
 
 TAMPER = {"flipped byte": (_flip_blob, "differs from the entry"), "forged payload": (_forged_payload, "not a .pt2"),
+          "any zip": (_any_zip, "not a .pt2 package of the decode program"),
+          "the tail's blob": (_tails_blob, r"the blob of .*\"program\": \"tail\".*not of the key and program"),
           "zstd bomb": (_bomb, "decodes to more than"), "other compiler": (_wrong_compiler, "compiler"),
           "entry of another key": (_other_key, "is the entry of key 0000"), "not json": (_not_json, "not valid JSON")}
 

@@ -71,6 +71,7 @@ def test_extraction_reads_parameters_and_every_way_a_switch_is_read(tmp_path):
         "        pass\n"
         "    y = _mega_flag_default_on('VLLM_NEURON_MEGA_ON')\n"
         "    z = _os.environ.get('OTHER_VAR')\n"
+        "    w = _os.getenv('VLLM_NEURON_MEGA_GE', 'x') == 'y'\n"
         "_FLAG_OFF_VALUES = ('', '0')\n")
     doc = interface.extract(tmp_path / "lib", "o/r", "c" * 40, ["src/nkilib_src/nkilib/k.py:kern"])
     e = doc["entries"]["kern"]
@@ -80,11 +81,19 @@ def test_extraction_reads_parameters_and_every_way_a_switch_is_read(tmp_path):
         ("c", False, "3", "keyword_only"), ("d", False, "None", "keyword_only"), ("e", False, "1e-05", "keyword_only")]
     assert e["params"][0]["annotation"] == "nl.ndarray"
     assert [(s["name"].removeprefix("VLLM_NEURON_MEGA_"), s["read"], s["default"]) for s in doc["switches"]] == [
-        ("P", "value", "1"), ("T", "truthy", None), ("IF", "truthy", None), ("ON", "default_on", None)]
+        ("P", "value", "1"), ("T", "truthy", None), ("IF", "truthy", None), ("ON", "default_on", None),
+        ("GE", "value", "x")]
     assert doc["flag_off_values"] == ["", "0"]
     assert doc["files"]["src/nkilib_src/nkilib/k.py"] == __import__("hashlib").sha256(src.read_bytes()).hexdigest()
     with pytest.raises(GkError, match="defines no module-level function 'missing'"):
         interface.extract(tmp_path / "lib", "o/r", "c" * 40, ["src/nkilib_src/nkilib/k.py:missing"])
+    # a read gkbuild cannot classify is refused (it cannot be set explicitly), never guessed
+    (src.parent / "m.py").write_text("import os\nON = 'VLLM_NEURON_MEGA_IN' in os.environ\nX = os.environ['NKI_X']\n")
+    reads, off, other = interface.scan_switches(tmp_path / "lib")
+    assert ("VLLM_NEURON_MEGA_IN", "unrecognized") in {(r["name"], r["read"]) for r in reads}
+    assert other == ["NKI_X", "OTHER_VAR"] and off == ["", "0"]
+    with pytest.raises(GkError, match=r"m.py:2: VLLM_NEURON_MEGA_IN is read as `'VLLM_NEURON_MEGA_IN' in os.environ`"):
+        switches.settings(reads, off, {}, "r")
 
 
 def test_the_stand_ins_are_built_from_the_interfaces():
@@ -104,7 +113,7 @@ def test_the_stand_ins_are_built_from_the_interfaces():
                                                                      "utils.kernel_helpers")
     assert (STANDINS / "F" / HELPERS_PATH).read_text() == standin.helpers_module(kernel_source.F)
     for rev, lib in ((kernel_source.A, LIB_A), (kernel_source.F, LIB_F)):
-        reads, off = interface.scan_switches(lib)
+        reads, off, _ = interface.scan_switches(lib)
         doc = _doc(rev)
         want = {(s["name"], s["read"], s["default"]) for s in doc["switches"]}
         got = {(s["name"], s["read"], s["default"]) for s in reads}
@@ -284,10 +293,32 @@ def goldens():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_configuration_traces_and_verifies(name, fake_sdk, tmp_path, goldens):
+    """trn3: traces against the stand-ins, every switch set, and verifies tight with the twins. trn2:
+    the published kernels' MoE multiplies MX tiles with nc_matmul_mx, which NKI documents as
+    NeuronCore-v4 (Trn3) only, so the trace is refused in one line; the build's shards and layout
+    still verify with the twins."""
     sets = CONFIGS[name]
     out = tmp_path / "b"
     r = _recipe(sets, libraries=True)
-    res = compile_build(r, out=out, quiet=True, require_neff=True)
+    B = r.decode.batch_sizes[0]
+    if r.target == "trn2":
+        with pytest.raises(GkError, match=r"^decode-b\d+: the decode kernel refused its arguments: RuntimeError: "
+                                          r"nc_matmul_mx is available only on NeuronCore-v4 and newer; target trn2"):
+            compile_build(r, out=out, quiet=True, require_neff=True)
+        res = compile_build(r, out=out, quiet=True, compile=False)
+    else:
+        res = compile_build(r, out=out, quiet=True, require_neff=True)
+        _traced(res, r, sets, out, fake_sdk)
+    assert run_cli("check", str(out), "-q").returncode == 0
+    # and the build decodes what the reference does, through the twins
+    rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out))))
+    assert rep.ok and rep.kv == "tight", (name, rep.to_dict())
+    assert not rep.unmodeled
+
+
+def _traced(res, r, sets, out, fake_sdk):
+    """What a traced build holds: both NEFFs, what the kernels returned, every switch set in the
+    documented host mode."""
     c = res.manifest["compile"]
     B = r.decode.batch_sizes[0]
     assert c["status"] == "ok" and [a["name"] for a in c["artifacts"]] == [f"decode-b{B}", f"tail-b{B}"]
@@ -313,11 +344,46 @@ def test_every_configuration_traces_and_verifies(name, fake_sdk, tmp_path, golde
                                            and "kv_cache.dtype=bf16" not in sets)
     if kernel_source.fork_forms(r):
         assert log[0]["switches"]["VLLM_NEURON_MEGA_SCALE_PACK64"] == "0"  # F's layout switch, found by the scan
-    assert run_cli("check", str(out), "-q").returncode == 0
-    # and the build decodes what the reference does, through the twins
-    rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out))))
-    assert rep.ok and rep.kv == "tight", (name, rep.to_dict())
-    assert not rep.unmodeled
+
+
+def _own_library(tmp_path):
+    """A decode kernel of one's own with A's interface and a MoE without nc_matmul_mx: what a trn2
+    build needs (no published revision has it)."""
+    lib = tmp_path / "own"
+    d = lib / "src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss"
+    d.mkdir(parents=True)
+    src = (LIB_A / DECODE_PATH).read_text()
+    (d / "gpt_oss_decode_layer_dp_tp_ep.py").write_text(src.replace("kv_update=", "mx_moe=False, kv_update="))
+    (d / "_switches.py").write_text((LIB_A / DECODE_PATH.replace("gpt_oss_decode_layer_dp_tp_ep.py", "_switches.py"))
+                                   .read_text())
+    return lib
+
+
+@pytest.mark.slow
+def test_trn2_fp8_traces_with_a_trn2_kernel_and_needs_the_e4m3_flag(fake_sdk, tmp_path, goldens):
+    """With a decode kernel whose MoE runs on NeuronCore-v3, a trn2 FP8 build traces: K/V as
+    float8_e4m3fn and the compiler flag NCC_EVRF051 asks for; without the flag the compiler refuses."""
+    lib = _own_library(tmp_path)
+    sets = ["target=trn2", f"compile.kernels.decode.library={lib}", f"compile.kernels.tail.library={LIB_F}"]
+    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets)
+    res = compile_build(r, out=tmp_path / "b", quiet=True, require_neff=True)
+    _traced(res, r, sets, tmp_path / "b", fake_sdk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(neuron, "FP8_ON_TRN2", "--not-the-flag")
+        with pytest.raises(GkError, match=r"^decode-b128: torch_neuronx.trace failed: RuntimeError: NCC_EVRF051"):
+            compile_build(r, out=tmp_path / "c", quiet=True, require_neff=True)
+
+
+def test_the_published_decode_on_trn2_is_refused_before_anything_is_traced(fake_sdk, tmp_path):
+    """The published revisions' MoE needs NeuronCore-v4: with the SDK present a trn2 compile stops
+    before the checkout, in one line; without it the build says so beside the skipped stage."""
+    with pytest.raises(GkError, match=r"^trn2: aws-neuron/nki-library@e9ef98fc\w+'s MoE multiplies MXFP4 tiles with "
+                                      r"nki.isa.nc_matmul_mx, which NKI documents as available only on NeuronCore-v4"):
+        compile_build(_recipe([]), out=tmp_path / "b", quiet=True, require_neff=True)
+    assert conformance.isa_refusal(_recipe(["target=trn3"])) is None
+    assert conformance.isa_refusal(_recipe([f"compile.kernels.decode.library={LIB_A}"])) is None  # not a published one
+    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"))
+    assert r.returncode == 0 and "will not compile" in r.stderr and "NeuronCore-v4" in r.stderr
 
 
 def _topo_root():
@@ -333,7 +399,7 @@ def test_paired_layers_share_entries_at_four_layers(fake_sdk, tmp_path, goldens)
     cfg4 = dataclasses.replace(preset("tiny-topology"), num_hidden_layers=4,
                                layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(4)))
     ck = synthesize(cfg4, tmp_path / "ck4", seed=0)
-    r = _recipe(["kv_cache.form=paired", f"source={ck}"], libraries=True)
+    r = _recipe(["target=trn3", "kv_cache.form=paired", f"source={ck}"], libraries=True)
     out = tmp_path / "b"
     compile_build(r, out=out, quiet=True, require_neff=True)
     dec = _outputs(out, "decode-b128")
@@ -367,11 +433,6 @@ def test_what_the_held_out_run_found_fails_here(fake_sdk, tmp_path):
         del sys.path[:2]
         for m in [m for m in sys.modules if m.startswith(("nkilib", "standin", "_checks", "_decode"))]:
             del sys.modules[m]
-    # 2. trn2 FP8 without the compiler flag: NCC_EVRF051
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(neuron, "FP8_ON_TRN2", "--not-the-flag")
-        with pytest.raises(GkError, match=r"^decode-b128: torch_neuronx.trace failed: RuntimeError: NCC_EVRF051"):
-            compile_build(_recipe([], libraries=True), out=out, quiet=True, require_neff=True)
     # 3. F's switches left unset but the KV write-back (what gkbuild passed before): absent is ON in F,
     # and its default-on SCALE_PACK64 expects another layout of the gate/up scales than the shards hold
     orig_env = neuron.trace_environment
@@ -388,25 +449,27 @@ def test_what_the_held_out_run_found_fails_here(fake_sdk, tmp_path):
                               libraries=True), out=tmp_path / "sp2", quiet=True, require_neff=True)
     # 4. without cpu_backend a NeuronCore is needed: the device mode says so in one line
     with pytest.raises(GkError, match=r"torch_neuronx.trace failed: RuntimeError: no Neuron device found"):
-        compile_build(_recipe(["compile.trace=device"], libraries=True), out=tmp_path / "dev", quiet=True,
-                      require_neff=True)
+        compile_build(_recipe(["target=trn3", "compile.trace=device"], libraries=True), out=tmp_path / "dev",
+                      quiet=True, require_neff=True)
 
 
 @pytest.mark.slow
 def test_the_undocumented_xla_cpu_mode_warns_and_uses_the_cli(fake_sdk, tmp_path, capsys):
     out = tmp_path / "x"
-    compile_build(_recipe(["compile.trace=xla-cpu"], libraries=True), out=out, quiet=True, require_neff=True)
+    compile_build(_recipe(["target=trn3", "compile.trace=xla-cpu"], libraries=True), out=out, quiet=True,
+                  require_neff=True)
     assert "compile.trace: xla-cpu traces with torch-xla on PJRT_DEVICE=CPU" in capsys.readouterr().err
     argv = [json.loads(line) for line in fake_sdk["cc"].read_text().splitlines()]
-    assert [a[:2] for a in argv] == [["compile", "--framework=XLA"]] * 2 and FP8_FLAG in argv[0]
+    assert [a[:2] for a in argv] == [["compile", "--framework=XLA"]] * 2 and "--target=trn3" in argv[0]
     log = _sdk_log(fake_sdk)
-    assert all(e.get("xla_device") and e["pjrt"] == "CPU" and e["target"] == "trn2" for e in log)
+    assert all(e.get("xla_device") and e["pjrt"] == "CPU" and e["target"] == "trn3" for e in log)
 
 
 @pytest.mark.slow
 def test_a_lossy_switch_is_recorded_and_named_by_verify(fake_sdk, tmp_path, goldens):
     out = tmp_path / "l"
-    r = _recipe(["kv_cache.form=paired", "compile.kernel_switches=[VLLM_NEURON_MEGA_FP8_RS=1]"], libraries=True)
+    r = _recipe(["target=trn3", "kv_cache.form=paired", "compile.kernel_switches=[VLLM_NEURON_MEGA_FP8_RS=1]"],
+                libraries=True)
     res = compile_build(r, out=out, quiet=True, require_neff=True)
     dec = res.manifest["compile"]["artifacts"][0]
     assert dec["kernel"]["switches"]["VLLM_NEURON_MEGA_FP8_RS"] == {**dec["kernel"]["switches"]["VLLM_NEURON_MEGA_FP8_RS"],

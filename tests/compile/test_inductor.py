@@ -83,7 +83,7 @@ def test_recompiles_only_for_a_new_compiler(built, monkeypatch, tmp_path):
     assert again.manifest["build_id"] == first.manifest["build_id"]
     built_programs = []
 
-    def fake_build(program, sig, batch_sizes, target, path):
+    def fake_build(program, sig, batch_sizes, target, path, key):
         built_programs.append(sig.program)
         path.write_bytes(b"a package from the new compiler")
 

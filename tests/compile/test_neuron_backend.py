@@ -148,6 +148,14 @@ def test_trace_environment_sets_every_switch_the_revision_reads():
     assert f["library"] == kernel_source.F  # a form only F has makes F the decode's default
     env = neuron.trace_environment(f, "trn2", {})
     assert env["VLLM_NEURON_MEGA_FP8_RS"] == "0" and env["VLLM_NEURON_MEGA_KV_UPDATE"] == "1"  # F reads absent as ON
+    # the library's other environment reads (found by the scan) and the caller's compiler flags stay unset
+    env = neuron.trace_environment({**f, "unset": ["NKI_X"]}, "trn3", {"NKI_X": "1", "NEURON_CC_FLAGS": "-O3"})
+    assert "NKI_X" not in env and "NEURON_CC_FLAGS" not in env
+    # a switch F reads outside the files of its committed interface is kept at plan time, judged by the scan
+    gu = neuron.kernel(recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["kv_cache.form=paired",
+                                   "compile.kernel_switches=[VLLM_NEURON_MEGA_GU_P0=1]"]), "decode")
+    assert gu["switches"]["VLLM_NEURON_MEGA_GU_P0"]["origin"] == "recipe" and gu["switch_overrides"] == {
+        "VLLM_NEURON_MEGA_GU_P0": "1"}
 
 
 def test_show_compile_prints_every_program_of_every_batch_size():

@@ -79,7 +79,7 @@ def test_runtime_inputs_fit_the_signature_and_the_published_kernel(session, monk
         assert torch.equal(named["embed_ids"], want)
     if "hidden" in form:
         assert torch.equal(named["embed_ids"], tokens.to(torch.int32)) and named["embed_x_shard_ids"].tolist() == [5]
-    reads, off = interface.scan_switches(FORMS[form][1])  # the switches as a build host sets them
+    reads, off, _ = interface.scan_switches(FORMS[form][1])  # the switches as a build host sets them
     for n, v in switches.environment(switches.settings(reads, off, {}, "test")).items():
         monkeypatch.setenv(n, v)
     kernel = _standin(FORMS[form][1], monkeypatch)

@@ -104,16 +104,24 @@ def test_a_rotten_blob_is_not_trusted_and_republishing_repairs_it(built, tmp_pat
     assert problems(tmp_path / "d") == []
 
 
-def test_prune_removes_dead_publishes_temporaries(build, tmp_path):
+def test_prune_judges_publishes_in_progress_by_leases_in_the_store_not_by_pid(build, tmp_path):
     s = tmp_path / "s"
     publish(build, str(s), quiet=True)
-    dead = s / "blobs" / f".{'b' * 64}.zst.999999999.partial"
-    live = s / "blobs" / f".{'c' * 64}.zst.{os.getpid()}.partial"
-    dead.write_text("torn")
-    live.write_text("being written")
+    first = set(os.listdir(s / "blobs"))
+    torn = s / "blobs" / f".{'b' * 64}.zst.{os.getpid()}.partial"  # a live pid on this host, yet no lease
+    torn.write_text("torn")
+    other = s / "leases" / f"{'a' * 32}.json"  # another host's publish, alive
+    assert (s / "leases").is_dir()
+    other.write_text(json.dumps({"owner": "a" * 32, "host": "elsewhere", "pid": 1, "expires": time.time() + 600}))
     compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=64"]), out=build, quiet=True, compile=False)
-    publish(build, str(s), prune=True, quiet=True)  # a new index: --prune runs
-    assert not dead.exists() and live.exists()
+    rep = publish(build, str(s), prune=True, quiet=True)  # a new index: --prune runs
+    assert rep["pruned"] == 0 and torn.exists() and first <= set(os.listdir(s / "blobs"))
+    other.write_text(json.dumps({"owner": "a" * 32, "host": "elsewhere", "pid": 1, "expires": time.time() - 1}))
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=32"]), out=build, quiet=True, compile=False)
+    rep = publish(build, str(s), prune=True, quiet=True)  # that publish died: its lease expired
+    assert rep["pruned"] > 0 and not torn.exists() and not other.exists()
+    assert {f"blobs/{n}" for n in os.listdir(s / "blobs")} == index.blobs(json.loads((s / index.NAME).read_text()))
+    assert os.listdir(s / "leases") == []  # this publish's own lease is gone too
 
 
 def test_an_oversized_index_is_not_read(store, tmp_path):

@@ -45,7 +45,7 @@ def test_publish_then_fetch_gives_a_build_that_checks_and_loads(built, tmp_path)
     rep = publish(built, str(tmp_path / "store"), quiet=True)
     m = mf.load(built)
     assert rep["uploaded_files"] == len(m["files"]) + 1 and not rep["already"]
-    assert sorted(os.listdir(tmp_path / "store")) == ["blobs", "publish.json"]
+    assert sorted(os.listdir(tmp_path / "store")) == ["blobs", "leases", "publish.json"]
     got = fetch(str(tmp_path / "store"), tmp_path / "got", quiet=True)
     assert got["fetched_files"] == len(m["files"])
     assert problems(tmp_path / "got") == []

@@ -16,11 +16,16 @@ src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_o
   sin.dtype, reshaping inv_freq to (d/2, 1) and pos_ids to (1, B_attn*S_tkg);
 - the KV write-back switch decides whether (x, K_cache, V_cache) or x is returned (A:945, F:1296);
 - the collectives take ``tp_replica_group`` / ``ep_replica_group`` as ReplicaGroup objects
-  (annotations A:692-693, F:828-829).
+  (annotations A:692-693, F:828-829);
+- the MoE multiplies the MXFP4 expert tiles with ``nki.isa.nc_matmul_mx``
+  (core/moe/moe_tkg/gate_up_projection_mx.py ``_projection_matmul_mx``, in A and F);
+- F's hidden-sharded embedding gathers [T_attn, H/tp] into one SBUF tile: "T_attn <= P_MAX"
+  (F:1092-1100).
 Each layer's view is then checked as ``_checks.check_layer`` does.
 """
 
 import torch
+from nki import isa
 from nki.collectives import ReplicaGroup
 
 from _checks import WEIGHTS, check_layer, dtype_name, kernel_assert
@@ -28,9 +33,10 @@ from _checks import WEIGHTS, check_layer, dtype_name, kernel_assert
 INT_IDS = ("int32", "uint32", "int64")
 
 
-def make(paired: bool, kv_update, weights_check=None):
+def make(paired: bool, kv_update, weights_check=None, mx_moe: bool = True):
     """The body for one revision: ``paired`` (F's i // 2 entries), ``kv_update()`` reads the switch,
-    ``weights_check(w)`` is what the revision's MoE modules assert of a layer's weights."""
+    ``weights_check(w)`` is what the revision's MoE modules assert of a layer's weights, ``mx_moe``
+    whether its MoE multiplies the MX tiles with nc_matmul_mx (both published revisions do)."""
 
     def body(**a):
         x_shard, L, tp = a["x_shard"], a["num_layers"], a["tp_size"]
@@ -47,6 +53,8 @@ def make(paired: bool, kv_update, weights_check=None):
                 rows = a["embed_x_shard_ids"].reshape((T_shard, 1))
                 kernel_assert(dtype_name(rows) in INT_IDS, f"embed_x_shard_ids are DMA offsets, got {rows.dtype}")
                 kernel_assert(ew.shape[1] * tp == H, f"all_gather of {tp} slices of {ew.shape[1]} lanes is not {H}")
+                kernel_assert(t_attn <= 128, f"the hidden-sharded gather holds T_attn = {t_attn} rows in one SBUF tile "
+                                             f"(partition dim at most 128)")
         cos, sin = a["cos"], a["sin"]
         if a.get("inv_freq") is not None:
             half = a["inv_freq"].shape[0]
@@ -60,6 +68,8 @@ def make(paired: bool, kv_update, weights_check=None):
             w = {n: a[n][i if a[n].shape[0] == L else 0] for n in WEIGHTS}
             if weights_check is not None:
                 weights_check(w)
+            if mx_moe and dtype_name(w["expert_gate_up_weights"]) == "uint16":  # MX tiles: the MoE's MX matmul
+                isa.nc_matmul_mx(None, w["expert_gate_up_weights"], x_shard, w["expert_gate_up_weights_scale"], None)
 
             def entry(t):
                 if t.shape[0] == L:

@@ -54,21 +54,18 @@ def switch_module(revision: str, helpers: str | None) -> str:
              "", "import os", ""]
     if helpers:
         lines += [f"from {helpers} import mega_flag_default_on", ""]
-    lines += ["", "def read() -> dict:", "    return {"]
-    seen = set()
+    exprs = {}
     for s in d["switches"]:
-        if s["name"] in seen:
-            continue
-        seen.add(s["name"])
         n = s["name"]
         if s["read"] == "default_on":
-            expr = f'mega_flag_default_on("{n}")'
+            exprs.setdefault(n, f'mega_flag_default_on("{n}")')
         elif s["read"] == "truthy":
-            expr = f'bool(os.environ.get("{n}"))'
+            exprs.setdefault(n, f'bool(os.environ.get("{n}"))')
         else:
-            expr = f'os.environ.get("{n}"' + (f', "{s["default"]}")' if s["default"] is not None else ")")
-        lines.append(f'        "{n}": {expr},')
-    lines += ["    }", ""]
+            exprs.setdefault(n, f'os.environ.get("{n}"' + (f', "{s["default"]}")' if s["default"] is not None else ")"))
+    lines += ["", "def read() -> dict:", "    return {"]
+    lines += [f'        "{n}": {e},' for n, e in exprs.items()]
+    lines += ["    }", "", "", "def kv_update() -> bool:", f"    return {exprs['VLLM_NEURON_MEGA_KV_UPDATE']}", ""]
     return "\n".join(lines)
 
 

@@ -18,3 +18,7 @@ def read() -> dict:
         "VLLM_NEURON_MEGA_FUSE_RESID2": bool(os.environ.get("VLLM_NEURON_MEGA_FUSE_RESID2")),
         "VLLM_NEURON_MEGA_HOIST_MASK": bool(os.environ.get("VLLM_NEURON_MEGA_HOIST_MASK")),
     }
+
+
+def kv_update() -> bool:
+    return bool(os.environ.get("VLLM_NEURON_MEGA_KV_UPDATE"))

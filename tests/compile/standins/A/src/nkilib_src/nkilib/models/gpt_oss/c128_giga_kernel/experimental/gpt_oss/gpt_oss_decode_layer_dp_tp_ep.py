@@ -10,4 +10,4 @@ from . import _switches
 REVISION = "aws-neuron/nki-library@e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07"
 
 gpt_oss_decode_mega_kernel = kernel(REVISION, "gpt_oss_decode_mega_kernel",
-                                    make(paired=False, kv_update=lambda: _switches.read()["VLLM_NEURON_MEGA_KV_UPDATE"]))
+                                    make(paired=False, kv_update=_switches.kv_update))

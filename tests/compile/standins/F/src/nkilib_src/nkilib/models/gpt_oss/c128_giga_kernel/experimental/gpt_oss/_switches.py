@@ -24,3 +24,7 @@ def read() -> dict:
         "VLLM_NEURON_MEGA_FUSE_RESID2": mega_flag_default_on("VLLM_NEURON_MEGA_FUSE_RESID2"),
         "VLLM_NEURON_MEGA_HOIST_MASK": mega_flag_default_on("VLLM_NEURON_MEGA_HOIST_MASK"),
     }
+
+
+def kv_update() -> bool:
+    return mega_flag_default_on("VLLM_NEURON_MEGA_KV_UPDATE")

@@ -12,5 +12,5 @@ from . import _switches
 REVISION = "baonudesifeizhai/nki-library@9f2490f68c3ff0c222458095e169b83778fe59e5"
 
 gpt_oss_decode_mega_kernel = kernel(REVISION, "gpt_oss_decode_mega_kernel",
-                                    make(paired=True, kv_update=lambda: _switches.read()["VLLM_NEURON_MEGA_KV_UPDATE"],
+                                    make(paired=True, kv_update=_switches.kv_update,
                                          weights_check=check_weights))

@@ -1,0 +1,97 @@
+"""Build speed (issue 21): the 2-layer 120b-shaped build (the shards are nearly all of it) against
+`cp -r` + `sync` of the same source, alternating, in one run; wall and CPU seconds.
+
+Each round: `cp -r SRC COPY && sync`; a build with this tree into a fresh folder (warm: the
+source's fingerprints remembered, as for any hub source or a second recipe on the checkpoint;
+cold: forgotten, so the build also hashes the 5.4 GiB source); with `--baseline DIR`, the same
+builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run.
+CPU seconds are the build's whole process tree (wait4: the parent and its reaped workers). On a
+shared machine wall times follow the load (a CPU-bound build is slowed by other processes far
+more than a disk-bound cp); the CPU seconds do not, and the run reports the load.
+
+    .venv/bin/python bench/bench_shards.py [--repeat 3] [--baseline /work/main] [--dir /tmp/gkbench-shards]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import gib, median  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(cmd: list[str], **kw) -> tuple[float, float, str]:
+    """(wall, CPU seconds of the process tree, stdout), after a sync (no earlier dirty pages on our clock)."""
+    os.sync()
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{cmd} failed")
+    return wall, ru.ru_utime + ru.ru_stime, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", default=None, help="another gkbuild checkout to compare with")
+    ap.add_argument("--dir", default="/tmp/gkbench-shards")
+    a = ap.parse_args()
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    env = dict(os.environ, GKBUILD_CACHE=str(d / "cache"))
+    ck = d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1"
+    subprocess.run([sys.executable, "-m", "gkbuild", "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q",
+                    "--out", str(ck)], env=env, check=True)
+    size = sum(p.stat().st_size for p in ck.iterdir())
+    trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
+    res: dict[str, list] = {"cp": []}
+    loads = []
+    for _ in range(a.repeat):
+        shutil.rmtree(d / "copy", ignore_errors=True)
+        res["cp"].append(timed(["sh", "-c", f'cp -r "{ck}" "{d / "copy"}" && sync'])[:2])
+        shutil.rmtree(d / "copy", ignore_errors=True)
+        for name, tree in trees.items():
+            for kind in ("warm", "cold"):
+                out = d / "build"
+                shutil.rmtree(out, ignore_errors=True)
+                if kind == "cold":
+                    (d / "cache" / "fingerprints.json").unlink(missing_ok=True)
+                cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"),
+                       "--out", str(out), "--no-compile", "--json", "--set",
+                       f"source=synth://gpt-oss-120b?layers={a.layers}"]
+                wall, cpu, js = timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
+                shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
+                res.setdefault(f"{name} {kind}", []).append((wall, cpu, shards))
+        loads.append(os.getloadavg()[0])
+    outsize = sum(p.stat().st_size for p in (d / "build").rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    cp_wall, cp_cpu = median([w for w, _ in res["cp"]]), median([c for _, c in res["cp"]])
+    print(f"source {gib(size)}, output {gib(outsize)}; medians of {a.repeat} alternating rounds; load average "
+          f"(1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}\n")
+    print("| run | wall | ratio to cp | shards stage | CPU s | CPU s / GiB out | CPU s / 2 cores vs cp |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| cp -r + sync | {cp_wall:.2f} s | 1.00x | | {cp_cpu:.1f} | | |")
+    for name, rows in res.items():
+        if name == "cp":
+            continue
+        w, c, s = (median([r[i] for r in rows]) for i in range(3))
+        print(f"| build, {name} | {w:.2f} s | {w / cp_wall:.2f}x | {s:.2f} s | {c:.1f} | {c / (outsize / 2**30):.2f} "
+              f"| {c / 2 / cp_wall:.2f}x |")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
