@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/gkbuild compile recipes/tiny-cpu.yaml
-	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --engine compiled
+	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --engine compiled --prompt "The capital of France is" --chat \
+		--prompt "Once upon a time" --steps 8 --report artifacts/tiny-cpu-report
 
 test: $(STAMP)
 	$(PY) -m pytest -q

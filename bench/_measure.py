@@ -51,6 +51,21 @@ def run_tree(cmd: list[str], **kw) -> tuple[float, int, int]:
     return wall, usage.ru_maxrss * 1024, peak_tree
 
 
+def run_cpu(cmd: list[str], **kw) -> dict:
+    """{wall, cpu (user + system seconds of the child and its children), rss (peak, largest
+    process), load (the 1-minute load average before and after)}. ``sync`` first."""
+    os.sync()
+    before = os.getloadavg()[0]
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, **kw)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{cmd} failed ({status})")
+    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024,
+            "load": (before, os.getloadavg()[0])}
+
+
 def cp_then_sync(src: str, dst: str) -> tuple[float, int]:
     """The baseline: copy the same bytes to the same disk, flushed (gkbuild fsyncs its outputs)."""
     return run(["sh", "-c", f'cp -r "{src}" "{dst}" && sync'])
@@ -77,8 +92,10 @@ def build_120b(d, layers: int, gk: str, root) -> tuple:
     d.mkdir(parents=True)
     os.environ["GKBUILD_CACHE"] = str(d / "cache")
     build = d / "build"
+    from gkbuild.checkpoint.source import parse, synth_cache_dir
+
     run([gk, "synth", "gpt-oss-120b", "--layers", str(layers), "-q", "--out",
-         str(d / "cache" / "synth" / f"gpt-oss-120b-L{layers}-s0-v1")])
+         str(synth_cache_dir(parse(f"synth://gpt-oss-120b?layers={layers}")))])
     run([gk, "compile", str(Path(root) / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q",
          "--no-compile", "--set", f"source=synth://gpt-oss-120b?layers={layers}"])
     shutil.rmtree(d / "cache" / "synth")  # only the build is needed from here on

@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _measure import cp_then_sync, gib, median, run, run_tree  # noqa: E402
 
+from gkbuild.checkpoint.source import parse, synth_cache_dir  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
 
@@ -49,9 +51,8 @@ def main() -> None:
     for layers in a.layers:
         src = f"synth://gpt-oss-120b?layers={layers}"
         # synthesize the source once (outside the clock), like a downloaded checkpoint
-        run([GK, "synth", "gpt-oss-120b", "--layers", str(layers), "-q", "--out",
-             str(d / "cache" / "synth" / f"gpt-oss-120b-L{layers}-s0-v1")])
-        ck = d / "cache" / "synth" / f"gpt-oss-120b-L{layers}-s0-v1"
+        ck = synth_cache_dir(parse(src))
+        run([GK, "synth", "gpt-oss-120b", "--layers", str(layers), "-q", "--out", str(ck)])
         size = sum(p.stat().st_size for p in ck.iterdir())
         cps, cold, warm, rss, tree = [], [], [], 0, 0
         for _ in range(a.repeat):
@@ -75,7 +76,7 @@ def main() -> None:
     print(f"\nno-op rebuild of the 120b-shaped build: {median(noop):.2f} s (median of {a.repeat})")
     topo = d / "topo"
     run([GK, "synth", "tiny-topology", "--layers", "2", "-q", "--out",
-         str(d / "cache" / "synth" / "tiny-topology-L2-s0-v1")])
+         str(synth_cache_dir(parse("synth://tiny-topology?layers=2&seed=0")))])
     walls = []
     for _ in range(a.repeat):
         shutil.rmtree(topo, ignore_errors=True)

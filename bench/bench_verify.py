@@ -1,5 +1,6 @@
 """How long `gkbuild verify` takes on the two tiny builds (issue 5), the reference computed on the
-fly (transformers) and from a stored golden file.
+fly (transformers) and from a stored golden file; and (issue 18) the faithful noise floor each
+build shows: its layers' worst and median hidden-state error on the reference's input.
 
     .venv/bin/python bench/bench_verify.py [--repeat 3]
 """
@@ -29,8 +30,9 @@ def main() -> None:
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    print("| build | ranks emulated | KV | verify, golden computed | verify, golden file | peak RSS |")
-    print("|---|---|---|---|---|---|")
+    print("| build | ranks emulated | KV | verify, golden computed | verify, golden file | peak RSS | "
+          "local error by layer: worst / median |")
+    print("|---|---|---|---|---|---|---|")
     # (recipe, overrides, source, the KV format the build stores: the golden emulates it)
     cases = [("tiny-cpu.yaml", [], "synth://tiny?layers=2&seed=0", "bf16"),
              ("tiny-cpu.yaml", ["kv_cache.dtype=fp8", "kv_cache.packed=true"], "synth://tiny?layers=2&seed=0",
@@ -49,13 +51,15 @@ def main() -> None:
         run([GK, "golden", src, "--out", str(golden), "--steps", "16", "--kv", kv_format],
             stderr=open(os.devnull, "w"))
         fly = [run([GK, "verify", str(out), "--json"], stdout=open(os.devnull, "w")) for _ in range(a.repeat)]
-        stored = [run([GK, "verify", str(out), "--golden", str(golden), "--json"], stdout=open(os.devnull, "w"))
+        stored = [run([GK, "verify", str(out), "--golden", str(golden), "--json"], stdout=open(d / "rep.json", "w"))
                   for _ in range(a.repeat)]
+        rep = json.loads((d / "rep.json").read_text())
+        floor = ", ".join(f"{w:.1e} / {m:.1e}" for w, m in zip(rep["layer_local_errors"], rep["layer_local_median"]))
         m = json.loads((out / "manifest.json").read_text())
         ranks, lay = m["topology"]["world_size"], m["layout"]["kv"]
         kv = ("packed " if lay["packed"] else "") + lay["dtype"]
         print(f"| {recipe} | {ranks} | {kv} | {median([w for w, _ in fly]):.2f} s | "
-              f"{median([w for w, _ in stored]):.2f} s | {gib(max(r for _, r in fly + stored))} |", flush=True)
+              f"{median([w for w, _ in stored]):.2f} s | {gib(max(r for _, r in fly + stored))} | {floor} |", flush=True)
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -263,49 +263,77 @@ def _prompt_ids(text: str | None) -> list[list[int]] | None:
         prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
     except ValueError:
         raise GkError(f"--prompt-ids: {text!r} is not a list like '1,2,3;4,5,6'") from None
-    if not prompts or len({len(p) for p in prompts}) != 1:
-        raise GkError("--prompt-ids: give one or more prompts of the same length, ';'-separated")
+    if not prompts or not all(prompts):
+        raise GkError("--prompt-ids: give one or more prompts of at least one id each, ';'-separated")
     return prompts
+
+
+def _text_prompts(spec, texts: tuple[str, ...], chat: bool, prompt_ids: str | None):
+    """(token ids, {"prompts", "chat"}) of --prompt texts through the checkpoint's tokenizer, or None."""
+    if chat and not texts:
+        raise GkError("--chat renders --prompt texts with the chat template; give at least one --prompt")
+    if not texts:
+        return None
+    if prompt_ids:
+        raise GkError("--prompt and --prompt-ids both give the prompts; use one of them")
+    from . import text
+
+    return text.encode(text.tokenizer(spec), list(texts), chat), {"prompts": list(texts), "chat": chat}
+
+
+_PROMPT = click.option("--prompt", "texts", multiple=True, metavar="TEXT",
+                       help="A prompt as text (repeatable), tokenized with the checkpoint's own tokenizer.")
+_CHAT = click.option("--chat", is_flag=True, help="Render each --prompt as a user turn of the checkpoint's chat template.")
+_DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                       help="Where the reference (and verify's twins) run.")
 
 
 @cli.command()
 @click.argument("checkpoint")
 @click.option("--out", "out_file", required=True, type=click.Path(path_type=Path), help="Golden file to write.")
-@click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6' (same length).")
+@_PROMPT
+@_CHAT
+@click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6'.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=4, show_default=True,
-              help="Random prompts, when no --prompt-ids.")
+              help="Random prompts, when no --prompt or --prompt-ids.")
 @click.option("--prompt-len", type=click.IntRange(1, 1 << 16), default=4, show_default=True,
               help="Length of the random prompts.")
 @click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
-              help="Greedy continuation steps after each prompt.")
+              help="Greedy continuation steps after the longest prompt (shorter prompts continue greedily to it).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--kv", "kv_dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp32"]), default="bf16",
               show_default=True, help="The KV cache the reference emulates: the build's kv dtype (trn2 FP8 is "
                                       "fp8_e4m3, trn3/cpu/cuda fp8_e4m3fn); fp32 keeps it exact.")
 @click.option("--k-scale", type=float, default=1.0, show_default=True, help="FP8 K dequant scale (the recipe's).")
 @click.option("--v-scale", type=float, default=1.0, show_default=True, help="FP8 V dequant scale (the recipe's).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the reference runs.")
+@_DEVICE
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed, kv_dtype, k_scale, v_scale, device,
-           quiet):
+def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len, steps, seed, kv_dtype, k_scale, v_scale,
+           device, quiet):
     """Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV or synth://PRESET...): each
-    prompt plus a greedy continuation of --steps tokens, with per-layer hidden states, router
-    choices and router margins, saved as safetensors so a build can be verified without
-    transformers. The reference streams the checkpoint one decoder layer at a time through
-    transformers' GPT-OSS modules (fp32), dequantizes only the experts the router chose, and
-    rounds K/V as the build's --kv cache does."""
+    prompt plus a greedy continuation, with per-layer hidden states, router choices and margins,
+    the final norm's output and every expert on fixed probe rows, saved as safetensors so a build
+    can be verified without transformers. The reference streams the checkpoint one decoder layer at
+    a time through transformers' GPT-OSS modules (fp32), decodes MXFP4 with transformers' own
+    dequantization, and rounds K/V as the build's --kv cache does.
+
+    \b
+      gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --chat
+      gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
+    """
     from .checkpoint.source import materialize, model_config, parse
     from .golden import default_prompts, for_checkpoint
     from .reference import KvFormat
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
+    given = _text_prompts(spec, texts, chat, prompt_ids)
     vocab = model_config(spec).V
-    prompts = _prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed)
+    prompts, meta = given if given else (_prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed),
+                                         None)
     if any(not 0 <= t < vocab for p in prompts for t in p):
         raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-    g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet)
+    g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet, meta)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
 
@@ -314,13 +342,16 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("--golden", "golden_file", type=click.Path(path_type=Path), default=None,
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
+@_PROMPT
+@_CHAT
 @click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
               help="Decode steps after the prompt (no --golden).")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=None,
-              help="Sequences (no --golden; default min(4, batch)).")
+              help="Random prompts, when no --golden or --prompt (default min(4, batch)).")
 @click.option("--engine", type=click.Choice(["twin", "compiled", "neuron"]), default="twin", show_default=True,
               help="twin: the torch twins (any topology, emulated); compiled: the build's .pt2 programs (cpu/cuda); "
                    "neuron: the build's NEFFs on this Trainium host's NeuronCores, every rank (needs the Neuron SDK).")
+@_DEVICE
 @click.option("--loose", is_flag=True, help="Accept a golden of another KV format, at the loose tolerances.")
 @click.option("--allow-other-checkpoint", "other_checkpoint", is_flag=True,
               help="Accept a golden made from another checkpoint than the build's source.")
@@ -332,33 +363,57 @@ def golden(checkpoint, out_file, prompt_ids, n_prompts, prompt_len, steps, seed,
               help="Prefill ranks (the model's kv heads split over them).")
 @click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds every NIXL READ of a prompt set must finish in.")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkpoint, prefill, prefill_tp,
-           transfer_timeout, as_json, quiet):
-    """Run BUILD's decode steps through the torch twins (every rank emulated, each seeing only its
-    own shards) and compare the logits with the reference model's: NxD-style tolerances on the
-    reference's top-5/50/1000/all logits, teacher forcing, near-tie allowances; tight when the
-    golden emulates the build's KV format. Exits 1 on a mismatch and names the first layer whose
-    hidden state or routing departs.
+def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, prefill,
+           prefill_tp, transfer_timeout, report_dir, as_json, quiet):
+    """Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
+    compare with the reference model: NxD-style tolerances on the reference's top-5/50/1000/all
+    logits, teacher forcing, near-tie allowances; tight when the golden emulates the build's KV
+    format. Each layer is also run on the reference's own input, every expert of every layer on
+    fixed probe rows, and the tail's final norm and lm_head on the reference's numbers. Exits 1 on
+    a mismatch and names the first part that departs on its own.
 
     With --prefill nixl and no --golden, it runs one prompt set per length the SWA N-1 rule must
-    cover (longer than the sliding window; N % block == 0 and N % block == block - 1)."""
+    cover (longer than the sliding window; N % block == 0 and N % block == block - 1); --report
+    then writes one folder a set, DIR/prompt-len-N.
+
+    \b
+      gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
+      gkbuild verify artifacts/gpt-oss-120b-trn2 --golden g.safetensors --json
+    """
     from .verify import check_prefill, run
 
+    if golden_file is not None and texts:
+        raise GkError("--prompt makes a golden now; with --golden the golden's own prompts are used")
+    if chat and not texts:
+        raise GkError("--chat renders --prompt texts with the chat template; give at least one --prompt")
     quiet = quiet or as_json
-    kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, engine=engine, loose=loose,
-              other_checkpoint=other_checkpoint, quiet=quiet)
+    kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
+              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device)
     if prefill is None:
         reports = [run(build_dir, **kw)]
     else:
         from .di.decode import serving
 
+        if texts:
+            raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
+                          "give --golden or no prompts")
         check_prefill(engine)  # before a prefill process is started
         with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
+    dicts = [r.to_dict() for r in reports]
+    if report_dir is not None:
+        from . import report
+
+        for rep, d in zip(reports, dicts):  # one folder a DI prompt set (N = its prompt length)
+            where = report_dir / f"prompt-len-{rep.prefilled + 1}" if len(reports) > 1 else report_dir
+            written = report.write(d, where, f"gkbuild verify {build_dir}")
+            note(f"wrote {written[0]} and {written[1]}", quiet)
     if as_json:
-        click.echo(json.dumps(reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports], indent=2))
+        click.echo(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
     else:
         for rep in reports:
             _print_verify(rep)
@@ -368,7 +423,7 @@ def verify(build_dir, golden_file, steps, n_prompts, engine, loose, other_checkp
 
 
 def _print_verify(rep) -> None:
-    from .verify import TOLERANCES
+    from .verify import EXPERT_TOL, TAIL_TOL, TOLERANCES
 
     di = f"; positions 0..{rep.prefilled - 1} prefilled, pulled over NIXL" if rep.prefilled else ""
     t = Table(title=f"verify ({rep.kv} tolerances: golden KV {rep.golden_kv}, build KV {rep.build_kv}{di})",
@@ -380,16 +435,32 @@ def _print_verify(rep) -> None:
         t.add_row(str(s.step), f"{s.top1_exact}/{s.top1_near}/{s.top1_wrong}", f"{e[5]:.4f}", f"{e[50]:.4f}",
                   f"{e[1000]:.4f}", f"{e[None]:.4f}", f"{s.min_cosine:.6f}", "[green]ok[/]" if s.ok else "[red]FAIL[/]")
     out.print(t)
+    if rep.texts:
+        t = Table(title="continuations (teacher-forced: the build's next-token choice at each position)",
+                  title_justify="left")
+        for c in ("seq", "prompt", "reference", "build", "agree"):
+            t.add_column(c, justify="right" if c in ("seq", "agree") else "left", overflow="fold")
+        for i, x in enumerate(rep.texts):
+            t.add_row(str(i), x["prompt"], x["reference"], x["build"], f"{x['agree']}/{x['length']}")
+        out.print(t, markup=False)
     tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
-              f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}")
+              f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}", markup=False)
     if rep.unmodeled:
         out.print(f"note: the programs were compiled with {', '.join(rep.unmodeled)}, numerics the twins do not "
                   f"model: this verify vouches for the kernel's reference path, not for what those switches change")
     if rep.layer_errors:
-        out.print("worst hidden-state relative error by layer (routing departures): "
-                  + ", ".join(f"L{i}: {e:.3g} ({r})" for i, (e, r) in enumerate(zip(rep.layer_errors,
-                                                                                    rep.layer_routing))))
+        out.print("hidden-state relative error by layer, free-running worst / on the reference's input worst, median "
+                  f"(routing departures; a layer departs above {rep.blame_threshold:.3g} worst or "
+                  f"{rep.blame_threshold_median:.3g} median): "
+                  + ", ".join(f"L{i}: {e:.3g} / {le:.3g}, {lm:.3g} ({r})" for i, (e, le, lm, r) in
+                              enumerate(zip(rep.layer_errors, rep.layer_local_errors, rep.layer_local_median,
+                                            rep.layer_routing))), markup=False)
+        out.print(f"experts: {rep.experts_checked} checked on the probe rows, worst {max(rep.expert_errors):.3g} "
+                  f"(limit {EXPERT_TOL:g}), {len(rep.experts_failing)} departing; routed to by the reference, by layer: "
+                  + ", ".join(str(c) for c in rep.coverage), markup=False)
+        out.print(f"tail: final norm error {rep.tail_norm_error:.3g}, lm_head error {rep.tail_lm_head_error:.3g} "
+                  f"(limit {TAIL_TOL:g})", markup=False)
 
 
 @cli.command()

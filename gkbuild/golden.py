@@ -5,8 +5,11 @@ A golden file holds ``token_ids`` [P, T] (prompt then continuation), ``logits`` 
 logits after each token: position t predicts token t+1), ``hidden`` [P, L, T, H] (the residual
 stream after every decoder layer), ``routing`` [P, L, T, k] (the experts the router chose),
 ``router_gap`` [P, L, T] (the reference's margin between its k-th and (k+1)-th router logits: how
-near a tie each choice is) and, in its metadata, the prompt length, the KV format the reference
-emulated (dtype and dequant scales), the checkpoint's content hash and the tool versions.
+near a tie each choice is), ``final_norm`` [P, T, H] (the final RMSNorm's output, the lm_head's
+input), ``expert_inputs`` [n, H] and ``expert_outputs`` [L, E, n, H] (every expert of every layer
+on fixed probe rows, routed or not) and, in its metadata, each prompt's length (and text, when it
+was given as text), the KV format the reference emulated (dtype and dequant scales), the
+checkpoint's content hash and the tool versions.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from . import jsonio
 from .errors import GkError
 from .reference import KvFormat
 
-FORMAT = "gkbuild-golden-2"
-TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap")
-MAX_GOLDEN = 8 << 30  # 4 prompts x 64 positions of the 120b model are ~0.3 GB
+FORMAT = "gkbuild-golden-3"
+TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap", "final_norm", "expert_inputs", "expert_outputs")
+OLDER = {"gkbuild-golden-1": "no KV format, no router margins",
+         "gkbuild-golden-2": "no per-expert probes, no final-norm output"}
+# 4 prompts x 64 positions of the 120b model, with every expert's probe outputs, are ~0.6 GB
+MAX_GOLDEN = 8 << 30
 
 
 def checkpoint_hash(files: list[dict]) -> str:
@@ -46,8 +52,25 @@ class Golden:
     hidden: torch.Tensor  # [P, L, T, H]
     routing: torch.Tensor  # [P, L, T, k]
     router_gap: torch.Tensor  # [P, L, T]
-    prompt_len: int
+    final_norm: torch.Tensor  # [P, T, H]
+    expert_inputs: torch.Tensor  # [n, H]
+    expert_outputs: torch.Tensor  # [L, E, n, H]
+    prompt_lens: list[int]
     meta: dict
+
+    @property
+    def prompts(self) -> list[str] | None:
+        """The prompts as text, when they were given as text."""
+        return self.meta.get("prompts")
+
+    @property
+    def prompt_len(self) -> int:
+        """The one prompt length of a golden whose prompts all have it (a DI prefill computes
+        every prompt of a set to the same N-1)."""
+        if len(set(self.prompt_lens)) != 1:
+            raise GkError(f"the golden's prompts have lengths {sorted(set(self.prompt_lens))}; a prefill over NIXL "
+                          f"takes prompts of one length")
+        return self.prompt_lens[0]
 
     @property
     def kv(self) -> KvFormat:
@@ -61,7 +84,8 @@ class Golden:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")
-        meta = {"format": FORMAT, "prompt_len": str(self.prompt_len), "meta": json.dumps(self.meta, sort_keys=True)}
+        meta = {"format": FORMAT, "prompt_lens": json.dumps(self.prompt_lens),
+                "meta": json.dumps(self.meta, sort_keys=True)}
         save_file({k: getattr(self, k).contiguous() for k in TENSORS}, str(tmp), metadata=meta)
         umask = os.umask(0)
         os.umask(umask)
@@ -84,8 +108,8 @@ class Golden:
             raise GkError(f"{path}: golden tensor {ints[0]} is {h.tensors[ints[0]].dtype.name}, not integer ids")
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") == "gkbuild-golden-1":
-                raise GkError(f"{path}: a golden of an older gkbuild (no KV format, no router margins); "
+            if meta.get("format") in OLDER:
+                raise GkError(f"{path}: a golden of an older gkbuild ({OLDER[meta['format']]}); "
                               f"regenerate it with `gkbuild golden`")
             if meta.get("format") != FORMAT:
                 raise GkError(f"{path}: not a gkbuild golden file (format {meta.get('format')!r})")
@@ -94,21 +118,44 @@ class Golden:
                 raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
             t = {k: f.get_tensor(k) for k in TENSORS}
         try:
-            g = cls(**t, prompt_len=int(meta["prompt_len"]), meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
+            g = cls(**t, prompt_lens=jsonio.loads(meta["prompt_lens"], f"{path}: golden prompt lengths"),
+                    meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
             g.kv  # noqa: B018 - validates the recorded KV format
         except (KeyError, ValueError, TypeError) as e:
             raise GkError(f"{path}: golden metadata is damaged ({e})") from None
-        P, T = g.token_ids.shape
-        if g.logits.shape[:2] != (P, T) or g.hidden.shape[0] != P or g.hidden.shape[2] != T \
-                or g.routing.shape[:3] != g.hidden.shape[:3] or g.router_gap.shape != g.hidden.shape[:3]:
-            raise GkError(f"{path}: golden tensors disagree in shape")
+        problem = g.problem()
+        if problem:
+            raise GkError(f"{path}: {problem}")
         return g
+
+    def problem(self) -> str | None:
+        """What is inconsistent in this golden's shapes and metadata, if anything."""
+        if self.token_ids.ndim != 2 or self.hidden.ndim != 4 or self.expert_outputs.ndim != 4:
+            return "golden tensors have the wrong number of dimensions"
+        P, T = self.token_ids.shape
+        _, L, _, H = self.hidden.shape
+        if self.logits.shape[:2] != (P, T) or self.hidden.shape[0] != P or self.hidden.shape[2] != T \
+                or self.routing.shape[:3] != self.hidden.shape[:3] or self.router_gap.shape != self.hidden.shape[:3] \
+                or self.final_norm.shape != (P, T, H) or self.expert_inputs.shape[-1:] != (H,) \
+                or self.expert_outputs.shape[:1] != (L,) or self.expert_outputs.shape[2:] != self.expert_inputs.shape:
+            return "golden tensors disagree in shape"
+        lens = self.prompt_lens
+        if not isinstance(lens, list) or len(lens) != P \
+                or any(isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= T for n in lens):
+            return f"golden prompt lengths are not {P} integers in 1..{T}"
+        texts = self.prompts
+        if texts is not None and (not isinstance(texts, list) or len(texts) != P
+                                  or not all(isinstance(x, str) for x in texts)):
+            return f"golden prompt texts are not {P} strings"
+        return None
 
 
 def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None,
-            kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True) -> Golden:
-    """Run the streamed reference: greedy continuation of each prompt by ``steps`` tokens, every
-    position's logits, per-layer hidden states, experts and router margins, K/V stored as ``kv``."""
+            kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True, text: dict | None = None) -> Golden:
+    """Run the streamed reference: greedy continuation of each prompt to the longest prompt's
+    length plus ``steps`` tokens, every position's logits, per-layer hidden states, experts and
+    router margins, the final norm's output and every expert on the probe rows, K/V stored as
+    ``kv``. ``text``: {"prompts": [...], "chat": bool} when the prompts were given as text."""
     try:
         import transformers
     except ImportError:
@@ -118,12 +165,12 @@ def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_fil
     out = reference.run(ckpt_dir, prompts, steps, kv, device, quiet)
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "steps": steps,
             "vocab_size": out["logits"].shape[-1], "kv": kv.to_meta(), "device": device,
-            "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None}
-    return Golden(**out, prompt_len=len(prompts[0]), meta=meta)
+            "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None, **(text or {})}
+    return Golden(**out, prompt_lens=[len(p) for p in prompts], meta=meta)
 
 
 def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf16"), device: str = "cpu",
-                   quiet: bool = True) -> Golden:
+                   quiet: bool = True, text: dict | None = None) -> Golden:
     """Reference logits for a checkpoint folder, recording its content hash."""
     from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
@@ -138,4 +185,4 @@ def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf1
         fps.remember(p, digest)
         files.append({"name": n, "sha256": digest})
     fps.save()
-    return compute(root, prompts, steps, files, kv, device, quiet)
+    return compute(root, prompts, steps, files, kv, device, quiet, text)

@@ -1,12 +1,18 @@
 """The reference model, streamed: transformers' GPT-OSS modules one decoder layer at a time.
 
-Memory is flat in layers and experts. Each pass (the prompts' prefill, then one pass per greedy
-step) loads one decoder layer from the memory-mapped checkpoint, runs every sequence's new tokens
-through it, and frees it. Attention, RoPE, the norms and the router are transformers' own modules
-(``GptOssAttention``, ``GptOssRotaryEmbedding``, ``GptOssRMSNorm``, ``GptOssTopKRouter``) loaded
-with the layer's weights; the experts are ours: only the experts the router chose are dequantized
-from MXFP4, one at a time, each applied to its tokens (transformers' expert loop, same order).
-The embedding is read row by row and the lm_head a vocabulary slice at a time.
+Memory is flat in layers and experts. Each pass (the prompts' common prefix, then one pass a
+position) loads one decoder layer from the memory-mapped checkpoint, runs every sequence's new
+tokens through it, and frees it. Attention, RoPE, the norms and the router are transformers' own
+modules (``GptOssAttention``, ``GptOssRotaryEmbedding``, ``GptOssRMSNorm``, ``GptOssTopKRouter``)
+loaded with the layer's weights; the experts follow transformers' ``GptOssExperts`` math (same
+order of summation), their MXFP4 weights decoded by transformers' own dequantization
+(``hf_mxfp4``), only the experts the router chose, a few rows at a time. The first pass also runs
+every expert of every layer on fixed probe rows (what verify checks each expert shard against,
+routed or not). The embedding is read row by row; the lm_head is converted to float32 once
+(in vocabulary slices) and kept while there are passes left.
+
+Prompts may differ in length: a position past a sequence's prompt takes its greedy token, so every
+sequence has ``max(prompt length) + steps`` positions.
 
 The KV cache emulates the build's (``KvFormat``): K and V are rounded when they are written
 (bf16, or FP8 at the recipe's dequant scales with the format's saturation) and later positions
@@ -17,14 +23,14 @@ does. ``KvFormat("fp32")`` keeps the cache exact: the numbers of transformers' f
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint import mxfp4, names
+from . import heap, hf_mxfp4, parallel
+from .checkpoint import names
 from .checkpoint.reader import Checkpoint
 from .errors import GkError
 from .progress import steps_bar
@@ -32,7 +38,8 @@ from .progress import steps_bar
 FP8_MAX = {"fp8_e4m3": 240.0, "fp8_e4m3fn": 448.0}
 KV_FORMATS = ("fp32", "bf16", *FP8_MAX)
 LM_HEAD_ROWS = 16384  # vocabulary rows of the lm_head converted to fp32 at a time
-MAX_WORKERS = 8  # experts dequantized ahead at most (each ~100 MB at 120b widths)
+LM_HEAD_KEEP = 4 << 30  # bytes of float32 lm_head kept between passes at most (120b: 2.3 GB)
+PROBES = 4  # rows every expert runs on (verify checks each expert shard against them)
 
 
 @dataclass(frozen=True)
@@ -168,9 +175,9 @@ class Layer:
             state = {k: self._read(ck, p + prefix + k, device) for k in mod.state_dict()}
             mod.load_state_dict(state, assign=True)
             mod.eval()
-        self.ck, self.prefix, self.device = ck, p, device
+        self.ck, self.prefix, self.device, self.index = ck, p, device, i
         self.limit, self.alpha = cfg.swiglu_limit, 1.702
-        self.workers = min(os.cpu_count() or 1, MAX_WORKERS)
+        self.num_experts = cfg.num_local_experts
 
     @staticmethod
     def _read(ck: Checkpoint, name: str, device: str) -> torch.Tensor:
@@ -178,37 +185,47 @@ class Layer:
         ck.release(name)
         return t
 
-    def expert(self, e: int):
-        """Expert e dequantized: gate_up [2I, H] (gate and up rows interleaved), its bias, down
-        [H, I], its bias (float32)."""
+    def expert(self, e: int, x: torch.Tensor, check: bool = False) -> torch.Tensor:
+        """Expert e of this layer on rows x [n, H] (transformers' GptOssExperts math, float32),
+        its MXFP4 weights decoded as transformers decodes them (``hf_mxfp4``) a few rows at a time.
+        ``check``: first compare that decode with a real ``convert_moe_packed_tensors`` call."""
         ck, p = self.ck, self.prefix + "mlp.experts."
-        out = []
-        for w in ("gate_up_proj", "down_proj"):
-            blocks, scales = p + w + "_blocks", p + w + "_scales"
-            dense = mxfp4.decode(ck.read(blocks, e, e + 1)[0], ck.read(scales, e, e + 1)[0])
-            ck.release(blocks, e, e + 1)
-            ck.release(scales, e, e + 1)
-            out += [torch.from_numpy(dense).to(self.device), _bf16(ck.read(p + w + "_bias", e, e + 1)[0]).to(self.device)]
-        return out
+        w = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            blocks, scales = ck.read(p + proj + "_blocks", e, e + 1)[0], ck.read(p + proj + "_scales", e, e + 1)[0]
+            if check:
+                hf_mxfp4.check_layout(blocks, scales, f"{self.prefix}{proj} expert {e}")
+            w[proj] = (blocks, scales, _bf16(ck.read(p + proj + "_bias", e, e + 1)[0]).to(self.device))
+        h = hf_mxfp4.matmul_t(x, *w["gate_up_proj"][:2]) + w["gate_up_proj"][2]
+        gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
+        y = hf_mxfp4.matmul_t((up + 1) * gate * torch.sigmoid(gate * self.alpha), *w["down_proj"][:2])
+        for proj in ("gate_up_proj", "down_proj"):
+            for part in ("_blocks", "_scales"):
+                ck.release(p + proj + part, e, e + 1)
+        return y + w["down_proj"][2]
 
-    def experts(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Every token through its chosen experts, each expert dequantized once and freed: the sum
-        over experts in ascending order, as transformers' GptOssExperts adds them. Up to
-        ``workers`` experts are dequantized ahead on threads (numpy releases the GIL)."""
+    def experts(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
+                probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every token through its chosen experts: the sum over experts in ascending order, as
+        transformers' GptOssExperts adds them. With ``probe`` [n, H], every expert of the layer
+        also runs on those rows (routed or not): (out, probe outputs [E, n, H]), and the first
+        expert's decode is checked against transformers' function."""
         out = torch.zeros_like(x)
-        hit = torch.unique(idx).tolist()
-        for e, (gu, gu_b, down, down_b) in zip(hit, _ahead(self.expert, hit, self.workers)):
+        probed = None if probe is None else torch.empty(self.num_experts, *probe.shape, device=x.device)
+        todo = range(self.num_experts) if probe is not None else torch.unique(idx).tolist()
+        for e in todo:
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            h = x[tok] @ gu.T + gu_b
-            gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
-            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ down.T + down_b
-            out.index_add_(0, tok, y * scores[tok, slot, None])
-            del gu, down
-        return out
+            rows = x[tok] if probe is None else torch.cat([x[tok], probe])
+            y = self.expert(e, rows, check=probe is not None and e == 0)
+            out.index_add_(0, tok, y[:len(tok)] * scores[tok, slot, None])
+            if probe is not None:
+                probed[e] = y[len(tok):]
+        return out, probed
 
-    def forward(self, x, pos_emb, mask, cache: _Cache):
+    def forward(self, x, pos_emb, mask, cache: _Cache, probe: torch.Tensor | None = None):
         """x [P, n, H] -> (x after the layer, top-k experts [P, n, k], router gap [P, n]: the
-        margin between the k-th and (k+1)-th router logits, i.e. how far from a tie the choice is)."""
+        margin between the k-th and (k+1)-th router logits, i.e. how far from a tie the choice
+        is, probe outputs [E, n_probe, H] or None)."""
         P, n, H = x.shape
         a, _ = self.attn(self.norm1(x), position_embeddings=pos_emb, attention_mask=mask, cache=cache,
                          gk_cache=cache)
@@ -218,27 +235,9 @@ class Layer:
         k = idx.shape[-1]
         top = torch.topk(logits, k + 1, dim=-1).values if k < logits.shape[-1] else None
         gap = (top[:, k - 1] - top[:, k]) if top is not None else torch.full((flat.shape[0],), float("inf"))
-        x = x + self.experts(flat, idx, scores).reshape(P, n, H)
-        return x, idx.reshape(P, n, k), gap.reshape(P, n)
-
-
-def _ahead(fn, items: list, workers: int):
-    """``fn`` of each item, in order, with at most ``workers`` being computed ahead on threads
-    while the caller uses the last one: memory holds ``workers`` + 1 results at most."""
-    if workers <= 1:
-        yield from map(fn, items)
-        return
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(workers) as pool:
-        pending: deque = deque()
-        for it in items:
-            pending.append(pool.submit(fn, it))
-            if len(pending) > workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        moe, probed = self.experts(flat, idx, scores, probe)
+        x = x + moe.reshape(P, n, H)
+        return x, idx.reshape(P, n, k), gap.reshape(P, n), probed
 
 
 def _mask(positions: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
@@ -251,20 +250,31 @@ def _mask(positions: torch.Tensor, total: int, window: int | None) -> torch.Tens
     return torch.zeros(ok.shape).masked_fill(~ok, float("-inf"))[None, None]
 
 
+def probe_rows(hidden: int, n: int = PROBES, seed: int = 0) -> torch.Tensor:
+    """The fixed rows every expert runs on: standard normal, RMS 1 like an RMSNorm output."""
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed))
+
+
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
         quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
-    """Greedy continuation of each prompt by ``steps`` tokens, layer by layer: one pass for the
-    prompts, one per generated token. Returns ``token_ids`` [P, T], ``logits`` [P, T, V],
-    ``hidden`` [P, L, T, H] (after every layer), ``routing`` [P, L, T, k] (the experts chosen) and
-    ``router_gap`` [P, L, T] (the margin between the k-th and (k+1)-th router logits).
+    """Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
+    tokens, layer by layer: one pass for the prompts' common prefix, one a position after it.
+    Returns ``token_ids`` [P, T], ``logits`` [P, T, V], ``hidden`` [P, L, T, H] (after every
+    layer), ``routing`` [P, L, T, k] (the experts chosen), ``router_gap`` [P, L, T] (the margin
+    between the k-th and (k+1)-th router logits), ``final_norm`` [P, T, H] (the final RMSNorm's
+    output: the lm_head's input), ``expert_inputs`` [n, H] and ``expert_outputs`` [L, E, n, H]
+    (every expert of every layer on the probe rows).
     ``on_kv(layer, k, v)`` sees each pass's new K (after RoPE) and V [P, kv heads, n, d] before
     the cache rounds them (a DI prefill writes them in its own layout)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
         raise GkError("--device cuda: no CUDA device is available on this host")
-    if len({len(p) for p in prompts}) != 1 or not prompts[0]:
-        raise GkError("all prompts must have the same, nonzero length")
+    if not prompts or any(not p for p in prompts):
+        raise GkError("every prompt needs at least one token")
+    heap.reuse_large_blocks()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the parallelism is the expert chunks' (parallel.each); tiny matmuls gain nothing
     ck = Checkpoint.open(root)
     try:
         cfg = hf_config(root, kv)
@@ -275,11 +285,16 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
             rotary = GptOssRotaryEmbedding(cfg)
         norm = GptOssRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         norm.load_state_dict({"weight": Layer._read(ck, names.FINAL_NORM, device)}, assign=True)
-        ids = torch.tensor(prompts, dtype=torch.int64)
+        T = max(map(len, prompts)) + steps
+        common = min(map(len, prompts))
+        ids = torch.tensor([p[:common] for p in prompts], dtype=torch.int64)
+        probe = probe_rows(cfg.hidden_size).to(device)
+        head = _LmHead(ck, V, keep=T > common)
         cache = _Cache(kv, on_kv)
-        new, chunks = ids, []
-        with torch.no_grad(), steps_bar("reference", (steps + 1) * L, quiet) as advance:
-            for s in range(steps + 1):
+        new, chunks, probed = ids, [], []
+        passes = T - common + 1
+        with torch.no_grad(), steps_bar("reference", passes * L, quiet) as advance:
+            for s in range(passes):
                 start = ids.shape[1] - new.shape[1]
                 pos = torch.arange(start, ids.shape[1])
                 x = _embed(ck, new).to(device)
@@ -288,38 +303,62 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
                 for i in range(L):
                     layer = Layer(ck, cfg, i, device)
                     window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
-                    x, r, g = layer.forward(x, pos_emb, _mask(pos, ids.shape[1], window).to(device), cache)
+                    x, r, g, out = layer.forward(x, pos_emb, _mask(pos, ids.shape[1], window).to(device), cache,
+                                                 probe if s == 0 else None)
                     del layer
                     hid.append(x.cpu())
                     route.append(r.cpu())
                     gap.append(g.cpu())
-                    advance(1, f"pass {s + 1}/{steps + 1}, layer {i + 1}/{L}")
-                logits = _lm_head(ck, norm(x), V)
-                chunks.append((logits, torch.stack(hid, 1), torch.stack(route, 1), torch.stack(gap, 1)))
-                if s < steps:
-                    new = logits[:, -1].argmax(-1, keepdim=True)
+                    if out is not None:
+                        probed.append(out.cpu())
+                    where = f"positions 1-{common}/{T}" if s == 0 else f"position {ids.shape[1]}/{T}"
+                    advance(1, f"{where}, layer {i + 1}/{L}")
+                h = norm(x)
+                logits = head(h)
+                chunks.append((logits, torch.stack(hid, 1), torch.stack(route, 1), torch.stack(gap, 1), h.cpu()))
+                if s < passes - 1:
+                    t = ids.shape[1]  # the next position: its prompt token, or the greedy one
+                    greedy = logits[:, -1].argmax(-1)
+                    new = torch.tensor([[p[t] if t < len(p) else int(greedy[j])] for j, p in enumerate(prompts)])
                     ids = torch.cat([ids, new], dim=1)
     finally:
         ck.close()
-    cat = [torch.cat([c[j] for c in chunks], dim=2 if j else 1) for j in range(4)]
+        torch.set_num_threads(threads)
+    cat = [torch.cat([c[j] for c in chunks], dim=1 if j in (0, 4) else 2) for j in range(5)]
     return {"token_ids": ids, "logits": cat[0], "hidden": cat[1], "routing": cat[2].to(torch.int64),
-            "router_gap": cat[3]}
+            "router_gap": cat[3], "final_norm": cat[4], "expert_inputs": probe.cpu(),
+            "expert_outputs": torch.stack(probed)}
 
 
 def _embed(ck: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
-    """Embedding rows of the tokens only."""
-    table = ck.read(names.EMBED)
-    out = _bf16(table[ids.reshape(-1).numpy()]).reshape(*ids.shape, table.shape[1])
+    """Embedding rows of the tokens only (each read, and checked, alone)."""
+    rows = [_bf16(ck.read(names.EMBED, t, t + 1)) for t in ids.reshape(-1).tolist()]
     ck.release(names.EMBED)
-    return out
+    return torch.cat(rows).reshape(*ids.shape, -1)
 
 
-def _lm_head(ck: Checkpoint, h: torch.Tensor, V: int) -> torch.Tensor:
-    """h [P, n, H] -> logits [P, n, V] fp32, the lm_head read a vocabulary slice at a time."""
-    out = torch.empty(*h.shape[:-1], V)
-    w = ck.read(names.LM_HEAD)
-    for lo in range(0, V, LM_HEAD_ROWS):
-        hi = min(V, lo + LM_HEAD_ROWS)
-        out[..., lo:hi] = (h @ _bf16(w[lo:hi]).to(h.device).T).cpu()
-        ck.release(names.LM_HEAD, lo, hi)
-    return out
+class _LmHead:
+    """h [P, n, H] -> logits [P, n, V] float32, the lm_head converted a vocabulary slice at a time;
+    with ``keep`` (more passes to come) the float32 copy is kept, up to ``LM_HEAD_KEEP`` bytes."""
+
+    def __init__(self, ck: Checkpoint, V: int, keep: bool):
+        self.ck, self.V = ck, V
+        self.keep = keep and V * ck.info(names.LM_HEAD).shape[1] * 4 <= LM_HEAD_KEEP
+        self.slices: dict[int, torch.Tensor] = {}
+        ck.read(names.LM_HEAD, 0, 1)  # its file mapped here, before the slices are read on threads
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(*h.shape[:-1], self.V)
+
+        def part(lo: int) -> None:
+            hi = min(self.V, lo + LM_HEAD_ROWS)
+            w = self.slices.get(lo)
+            if w is None:
+                w = _bf16(self.ck.read(names.LM_HEAD, lo, hi)).to(h.device)
+                self.ck.release(names.LM_HEAD, lo, hi)
+                if self.keep:
+                    self.slices[lo] = w
+            out[..., lo:hi] = (h @ w.T).cpu()
+
+        parallel.each(part, range(0, self.V, LM_HEAD_ROWS))
+        return out

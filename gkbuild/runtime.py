@@ -241,9 +241,10 @@ class Build:
         return _kv_checked(self.layout_doc("kv"), self.manifest["layout"]["kv"],
                            self.root / self.manifest["layout"]["kv"]["file"])
 
-    def allocate_kv(self, num_blocks: int | None = None) -> KvBuffers:
+    def allocate_kv(self, num_blocks: int | None = None, one_layer: bool = False) -> KvBuffers:
         """Zeroed KV buffers for one rank in the build's form (optionally fewer blocks than the
-        build's budget)."""
+        build's budget; ``one_layer``: the entry of one layer only, which verify's layer-major
+        replay reuses from layer to layer)."""
         import dataclasses
 
         import torch
@@ -253,6 +254,8 @@ class Build:
             if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 0 < num_blocks <= lay.num_blocks:
                 raise GkError(f"allocate_kv: num_blocks {num_blocks!r} is not in 1..{lay.num_blocks} (the build's budget)")
             lay = dataclasses.replace(lay, num_blocks=num_blocks)
+        if one_layer:
+            lay = dataclasses.replace(lay, num_layers=1)
         need = lay.bytes_per_rank
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > have:

@@ -29,14 +29,17 @@ Edit = dict[str, Callable[[np.ndarray], np.ndarray]]  # tensor name -> new value
 @dataclass
 class Fault:
     name: str
-    layer: int
+    layer: int | None  # None: after the last layer (the tail)
     edit: Edit | None = None  # applied to a checkpoint copy
     patch: Callable | None = None  # (monkeypatch) -> None, active while the build runs
     reference_edit: Edit | None = None  # the same fault as a checkpoint edit (None: no HF equivalent)
+    culprit: str | None = None  # how verify names it (default "layer N")
 
     def __post_init__(self):
         if self.edit is not None and self.reference_edit is None:
             self.reference_edit = self.edit
+        if self.culprit is None:
+            self.culprit = f"layer {self.layer}"
 
 
 def edit_copy(src: Path, dst: Path, edit: Edit) -> Path:
@@ -117,10 +120,19 @@ def drop_up_shift(monkeypatch, layer: int) -> None:
     nth_call(monkeypatch, experts_mx, "gate_up_bias", layer + 1, drop)
 
 
+def unused_expert_fault(layer: int, expert: int) -> Fault:
+    """An expert no prompt of the golden routes to, its MXFP4 scales doubled (every scale byte
+    +1): invisible in the logits of those prompts, a 2x expert for any other."""
+    name = f"model.layers.{layer}.mlp.experts.gate_up_proj_scales"
+    return Fault(f"scales of unused expert {expert} doubled (layer {layer})", layer,
+                 {name: lambda a: _set(a, expert, a[expert] + 1)}, culprit=f"layer {layer} (experts {expert})")
+
+
 def catalogue(cfg, kth_expert: int, router_shift: float = 0.15) -> list[Fault]:
     """The faults, for a checkpoint of config ``cfg`` (gkbuild.model.GptOssConfig).
     ``kth_expert``: an expert of layer 1 that tokens choose last (at the k-th place), so that
-    lowering its router bias by ``router_shift`` moves some of them."""
+    lowering its router bias by ``router_shift`` moves some of them. (``unused_expert_fault``
+    needs a checkpoint with experts the golden leaves unrouted: more experts than tiny's 8.)"""
     d = cfg.d
     p0, p1 = "model.layers.0.", "model.layers.1."
     q_swap = {p1 + "self_attn.q_proj." + n: (lambda a: _swap(a.reshape(cfg.q_heads, d, -1), 0, 1).reshape(a.shape))
@@ -143,6 +155,13 @@ def catalogue(cfg, kth_expert: int, router_shift: float = 0.15) -> list[Fault]:
               reference_edit={p1 + "mlp.experts.gate_up_proj_bias": _f32(lambda a: _set(a, (slice(None), slice(1, None, 2)),
                                                                                        a[:, 1::2] - 1))}),
         Fault("pad lanes nonzero", 0, patch=dirty_pads),
+        # small at layer 0 (~0.007 of the hidden state, under LAYER_TOL) and amplified by layer 1
+        # (~0.07): the first layer to depart is named, not the first above a fixed limit
+        Fault("o_proj x1.01 (layer 0)", 0, {p0 + "self_attn.o_proj.weight": _f32(lambda a: a * 1.01)}),
+        Fault("final norm x1.01", None, {"model.norm.weight": _f32(lambda a: a * 1.01)}, culprit="the final norm"),
+        Fault("lm_head rows of one vocab slice x1.01", None,
+              {"lm_head.weight": _f32(lambda a: _set(a, slice(0, cfg.V // 8), a[:cfg.V // 8] * 1.01))},
+              culprit="the lm_head"),
     ]
 
 
@@ -158,6 +177,12 @@ def patched(fault: Fault):
         yield
     finally:
         mp.undo()
+
+
+def unused_experts(golden, layer: int) -> list[int]:
+    """The experts of ``layer`` no sequence of the golden routes to, at any position."""
+    used = set(golden.routing[:, layer].reshape(-1).tolist())
+    return [e for e in range(golden.expert_outputs.shape[1]) if e not in used]
 
 
 def kth_expert(golden, layer: int = 1, below: float = 0.15) -> int:

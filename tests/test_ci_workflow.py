@@ -57,6 +57,17 @@ def test_the_workflow_builds_verifies_checks_then_publishes_on_a_tag():
     assert any(s.get("run", "").strip() == "make install" for s in steps)
 
 
+def test_the_build_job_keeps_the_verify_report_as_an_artifact():
+    """verify writes its HTML report into a folder the upload step keeps, even when a step failed."""
+    wf = _workflow()
+    verify = next(c for c in _commands(wf) if c[0] == "verify")
+    report = verify[verify.index("--report") + 1]
+    upload = next(s for s in wf["jobs"]["build"]["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "always()"
+    kept = [p.strip().rstrip("/") for p in upload["with"]["path"].splitlines() if p.strip()]
+    assert report in kept and "verify-report.json" in kept
+
+
 def test_the_trainium_job_fetches_the_published_build_and_verifies_its_neffs():
     wf = _workflow()
     job = wf["jobs"]["verify-on-trainium"]

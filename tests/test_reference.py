@@ -53,20 +53,99 @@ def test_streamed_reference_matches_the_full_transformers_model(hf_model, stream
 
 
 def test_expert_loop_matches_transformers_experts(tiny_ckpt, hf_model):
-    """Our on-demand expert loop (one MXFP4 expert dequantized at a time) against transformers'
-    GptOssExperts of the same layer, on the same tokens and routing."""
+    """Our on-demand expert loop (one MXFP4 expert decoded at a time, a few rows at a time)
+    against transformers' GptOssExperts of the same layer, on the same tokens and routing; with
+    probe rows, every expert's output on them is its transformers output too."""
     from gkbuild.checkpoint.reader import Checkpoint
 
     ck = Checkpoint.open(tiny_ckpt)
     cfg = reference.hf_config(tiny_ckpt, KvFormat("fp32"))
     layer = reference.Layer(ck, cfg, 1, "cpu")
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    probe = reference.probe_rows(cfg.hidden_size)
+    E, k = cfg.num_local_experts, cfg.num_experts_per_tok
     with torch.no_grad():
         _, scores, idx = layer.router(x)
-        ours = layer.experts(x, idx, scores)
+        ours, probed = layer.experts(x, idx, scores, probe)
         theirs = hf_model.model.layers[1].mlp.experts(x, idx, scores)
+        # expert e alone on the probe rows: every row routed to e (first slot) at affinity 1
+        alone = torch.stack([hf_model.model.layers[1].mlp.experts(
+            probe, torch.tensor([[e] + [(e + j) % E for j in range(1, k)]] * len(probe)),
+            torch.tensor([[1.0] + [0.0] * (k - 1)] * len(probe))) for e in range(E)])
     ck.close()
     assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+    assert probed.shape == (E, len(probe), cfg.hidden_size)
+    assert float((probed - alone).abs().max()) <= 1e-5 * float(alone.abs().max())
+
+
+def test_the_reference_decodes_mxfp4_with_transformers_not_the_builds_decoder(tiny_ckpt, streamed, monkeypatch):
+    """The build's own MXFP4 decoders are not on the reference's path (a bug there stays visible
+    to verify); transformers' convert_moe_packed_tensors is (a wrong one is refused)."""
+    from gkbuild import hf_mxfp4
+    from gkbuild.checkpoint import mxfp4
+    from gkbuild.kernels import mx
+
+    prompts = streamed["token_ids"][:, :5].tolist()
+    monkeypatch.setattr(mxfp4, "decode", lambda *a, **k: pytest.fail("the build's mxfp4.decode was called"))
+    monkeypatch.setattr(mx, "_unpack_x4", lambda *a, **k: pytest.fail("the twin's MX reader was called"))
+    again = reference.run(tiny_ckpt, prompts, steps=6, kv=KvFormat("fp32"))
+    assert torch.equal(again["logits"], streamed["logits"])
+    import transformers.integrations.mxfp4 as hf
+
+    real = hf.convert_moe_packed_tensors
+    monkeypatch.setattr(hf, "convert_moe_packed_tensors", lambda b, s, **k: -real(b, s, **k))
+    hf_mxfp4.tables.cache_clear()
+    try:
+        with pytest.raises(GkError, match="differ.* convert_moe_packed_tensors"):
+            reference.run(tiny_ckpt, prompts, steps=1, kv=KvFormat("fp32"))
+    finally:
+        monkeypatch.undo()
+        hf_mxfp4.tables.cache_clear()
+
+
+def test_tabulated_decode_is_transformers_on_every_code_and_scale():
+    """The tables hold transformers' values for all 65536 byte pairs and 255 scales, and a whole
+    expert-shaped projection decodes to its convert_moe_packed_tensors output, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from gkbuild import hf_mxfp4
+
+    quad, factor = hf_mxfp4.tables()
+    assert quad.shape == (65536, 4) and np.isnan(factor[255]) and factor[127] == 1.0
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (96, 3, 16), dtype=np.uint8)
+    scales = rng.integers(120, 130, (96, 3), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks)[None], torch.from_numpy(scales)[None],
+                                      dtype=torch.float32)[0].T
+    assert torch.equal(torch.from_numpy(hf_mxfp4.dense(blocks, scales)), want)
+    hf_mxfp4.check_layout(blocks, scales, "x")
+    x = torch.randn(5, 96, dtype=torch.float32)
+    y, ref = hf_mxfp4.matmul_t(x, blocks, scales, rows=7), x @ want.T  # 7 rows at a time: the same dot products
+    assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_a_decode_that_departs_from_transformers_is_caught(monkeypatch):
+    """Nibbles in the wrong order (a classic MXFP4 bug) in the tables: check_layout refuses."""
+    from gkbuild import hf_mxfp4
+
+    quad, factor = hf_mxfp4.tables()
+    monkeypatch.setattr(hf_mxfp4, "tables", lambda: (np.ascontiguousarray(quad[:, [1, 0, 3, 2]]), factor))
+    blocks = np.random.default_rng(1).integers(0, 256, (8, 2, 16), dtype=np.uint8)
+    with pytest.raises(GkError, match="expert 3: the tabulated MXFP4 decode differs from transformers"):
+        hf_mxfp4.check_layout(blocks, np.full((8, 2), 127, np.uint8), "expert 3")
+
+
+def test_prompts_of_different_lengths_continue_greedily_to_the_longest(tiny_ckpt):
+    """A sequence shorter than the longest prompt takes its greedy tokens until it: the same
+    tokens and logits as running it alone (batched sums differ only in rounding)."""
+    both = reference.run(tiny_ckpt, [[1, 2, 3], [4, 5, 6, 7, 8]], steps=2, kv=KvFormat("bf16"))
+    short = reference.run(tiny_ckpt, [[1, 2, 3]], steps=4, kv=KvFormat("bf16"))
+    long = reference.run(tiny_ckpt, [[4, 5, 6, 7, 8]], steps=2, kv=KvFormat("bf16"))
+    assert both["token_ids"].shape == (2, 7)
+    assert torch.equal(both["token_ids"][0], short["token_ids"][0]) and torch.equal(both["token_ids"][1], long["token_ids"][0])
+    assert float((both["logits"][0] - short["logits"][0]).abs().max()) < 1e-4
+    assert float((both["logits"][1] - long["logits"][0]).abs().max()) < 1e-4
+    assert both["final_norm"].shape == (2, 7, 960) and both["expert_outputs"].shape == (2, 8, reference.PROBES, 960)
 
 
 def test_attention_with_exact_active_keys_is_transformers_eager(hf_model):
@@ -148,11 +227,29 @@ def test_golden_cli_records_the_kv_format(tiny_ckpt, tmp_path):
     assert r.returncode != 0 and r.stderr.strip().startswith("gkbuild: error: KV scales must be positive")
 
 
-def test_old_goldens_are_refused_with_a_reason(tmp_path):
+@pytest.mark.parametrize("fmt", ["gkbuild-golden-1", "gkbuild-golden-2"])
+def test_old_goldens_are_refused_with_a_reason(tmp_path, fmt):
     from safetensors.torch import save_file
 
     p = tmp_path / "old.safetensors"
     save_file({"token_ids": torch.zeros(1, 2, dtype=torch.int64)}, str(p),
-              metadata={"format": "gkbuild-golden-1", "prompt_len": "1", "meta": "{}"})
+              metadata={"format": fmt, "prompt_len": "1", "meta": "{}"})
     with pytest.raises(GkError, match="older gkbuild.*regenerate"):
         Golden.load(p)
+
+
+def test_progress_names_the_position_and_layer(tiny_ckpt, monkeypatch):
+    """The golden's bar counts layer-passes (so its ETA is the whole run's) and names where it is."""
+    import contextlib
+
+    seen, total = [], []
+
+    @contextlib.contextmanager
+    def bar(description, n, quiet=False):
+        total.append(n)
+        yield lambda k, where="": seen.append(where)
+
+    monkeypatch.setattr(reference, "steps_bar", bar)
+    reference.run(tiny_ckpt, [[1, 2, 3], [4, 5, 6, 7]], steps=1, kv=KvFormat("bf16"))
+    assert total == [3 * 2] and len(seen) == 6  # positions 1-3 together, then 4 and 5; 2 layers each
+    assert seen[:3] == ["positions 1-3/5, layer 1/2", "positions 1-3/5, layer 2/2", "position 4/5, layer 1/2"]

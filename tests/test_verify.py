@@ -80,6 +80,19 @@ def test_routing_is_forced_only_at_the_references_own_ties():
     assert idx[0].tolist() == [0, 1] and guide.forced == 0 and guide.departed.tolist() == [[True]]
 
 
+def test_forced_ties_are_judged_as_distinct_token_layers():
+    """A handful of ties never fails a short verify; a share above MAX_FORCED of the distinct
+    (sequence, position, layer) token-layers does."""
+    rep = verify.Report([], True, "tight", routing_forced=verify.MIN_FORCED, routing_total=160)
+    assert not rep.too_many_forced  # 4 of 160 (2.5%): within the allowance
+    rep.routing_forced = verify.MIN_FORCED + 1
+    assert rep.too_many_forced
+    rep.routing_forced, rep.routing_total = 90, 4608  # 36 layers x 4 x 32: 2% is 92
+    assert not rep.too_many_forced
+    rep.routing_forced = 93
+    assert rep.too_many_forced
+
+
 def test_a_verify_that_forces_too_many_routings_fails(tmp_path, tiny_golden):
     import dataclasses
 
@@ -184,7 +197,7 @@ def test_golden_file_and_cli(tmp_path, tiny_golden):
     g = tmp_path / "g.safetensors"
     tiny_golden.save(g)
     again = Golden.load(g)
-    assert again.prompt_len == 4 and again.token_ids.shape == (4, 20) and again.routing.shape == (4, 2, 20, 4)
+    assert again.prompt_lens == [4] * 4 and again.token_ids.shape == (4, 20) and again.routing.shape == (4, 2, 20, 4)
     assert again.router_gap.shape == (4, 2, 20) and again.kv == KvFormat("bf16")
     out = _build(tmp_path, "ok")
     r = run_cli("verify", str(out), "--golden", str(g))
@@ -209,23 +222,36 @@ def test_cli_failure_is_one_line_and_nonzero(tmp_path, tiny_golden, monkeypatch)
     r = run_cli("verify", str(out), "--golden", str(g))
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("gkbuild: error: verify failed: sequence")
-    assert "first hidden state or routing to depart from the reference is layer 0" in r.stderr
+    assert "the first part to depart from the reference is layer 0" in r.stderr
 
 
 def test_progress_reports_every_layer_of_every_position(tmp_path, tiny_golden, monkeypatch):
-    """verify's bar names the position and the layer in progress."""
-    seen = []
+    """verify's bar names the layer and the position (or the layer's experts, or the tail) in
+    progress, and its units add up to its total (so its ETA is one of the whole run)."""
+    seen, total = [], []
 
-    def bar(description, total, quiet=False):
+    def bar(description, n, quiet=False):
         import contextlib
 
         @contextlib.contextmanager
         def cm():
-            seen.append(total)
-            yield lambda n, where="": seen.append(where)
+            total.append(n)
+            yield lambda k, where="": seen.append((k, where))
         return cm()
 
     monkeypatch.setattr(verify, "steps_bar", bar)
     rep = verify.run(_build(tmp_path, "b"), golden=tiny_golden)
-    assert rep.ok and seen[0] == 20 * 2 and len(seen) == 1 + 40
-    assert seen[1:4] == ["position 1/20, layer 1/2", "position 1/20, layer 2/2", "position 2/20, layer 1/2"]
+    assert rep.ok and sum(k for k, _ in seen) == total[0] == (20 + 8) + (2 * 20 + 8) + 20  # layers 0, 1, the tail
+    wheres = [w for _, w in seen]
+    assert wheres[:2] == ["layer 1/2, position 1/20", "layer 1/2, position 2/20"]
+    assert wheres[20] == "layer 1/2, experts" and wheres[21] == "layer 2/2, position 1/20" and wheres[-1] == "tail"
+
+
+def test_device_cuda_is_refused_without_a_gpu_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    out = _build(tmp_path, "b")
+    for extra in ([], ["--engine", "compiled"]):
+        r = run_cli("verify", str(out), "--device", "cuda", "--prompts", "1", "--steps", "1", *extra)
+        assert r.returncode == 1 and r.stderr.strip() == "gkbuild: error: --device cuda: no CUDA device is available " \
+                                                         "on this host"

@@ -117,3 +117,15 @@ def resolve(uri: str) -> tuple[HubRef, Path]:
         raise GkError(f"{ref.uri}: {INDEX} names weight files outside the repo root: {bad[:3]}")
     snap = _download(ref, ["config.json", INDEX, *files])
     return ref, snap
+
+
+def tokenizer_files(uri: str, names: tuple[str, ...]) -> Path:
+    """The snapshot folder with the repo's tokenizer files (those of ``names`` it has; no weights)."""
+    ref = parse(uri)
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # a cache holding tokenizer.json serves, whatever else it lacks
+        cached = _cached_snapshot(Path(constants.HF_HUB_CACHE), ref, [names[0]])
+        if cached is not None:
+            return cached
+    return _download(ref, list(names))

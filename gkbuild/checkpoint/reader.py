@@ -31,6 +31,7 @@ class Checkpoint:
     where: dict[str, TensorInfo]  # tensor name -> location
     extras: list[str] = field(default_factory=list)  # tensors present but not expected
     _maps: dict[str, MappedFile] = field(default_factory=dict, repr=False)
+    _checked: set = field(default_factory=set, repr=False)  # (name, lo, hi) already checked
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -88,8 +89,8 @@ class Checkpoint:
     def read(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
         """A read-only zero-copy view of tensor ``name`` (or of its leading slice [lo, hi)).
 
-        MXFP4 scales are checked as they are read (only the slice asked for): a 255 byte names
-        the file and tensor.
+        MXFP4 scales are checked as they are read (only the slice asked for, once): a 255 byte
+        names the file and tensor.
         """
         info = self.info(name)
         m = self._map(info)
@@ -98,11 +99,13 @@ class Checkpoint:
             arr = arr[lo:hi]
         row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
         m.populate(info.offset + (lo or 0) * row, arr.nbytes)
-        where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
-        if name.endswith("_scales"):
-            check_scales(arr, where)
-        elif info.dtype.name == "bf16":
-            check_finite_bf16(arr, where)
+        if (name, lo, hi) not in self._checked:  # the reference reads a layer's tensors once a pass
+            where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
+            if name.endswith("_scales"):
+                check_scales(arr, where)
+            elif info.dtype.name == "bf16":
+                check_finite_bf16(arr, where)
+            self._checked.add((name, lo, hi))
         return arr
 
     def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:

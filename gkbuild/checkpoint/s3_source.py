@@ -213,3 +213,13 @@ def resolve(uri: str, advance: Advance = lambda n: None) -> Path:
     with ThreadPoolExecutor(min(4, len(files))) as pool:  # small files side by side; large ones range-split
         list(pool.map(lambda f: m.get(f, objs.get(f), advance), files))
     return m.dir
+
+
+def tokenizer_files(uri: str, names: tuple[str, ...]) -> Path:
+    """The local folder with the source's tokenizer files (those of ``names`` under the prefix)."""
+    m = _Mirror(uri)
+    objs = m.listing()
+    for name in names:
+        if name in objs:
+            m.get(name, objs[name], limit=MAX_SMALL)
+    return m.dir

@@ -36,6 +36,15 @@ class Collectives(Protocol):
         """Split ``x``'s rows into n chunks, chunk j to member j; concatenate what arrives along
         dim 1 in group order."""
 
+    def reduce_scatter_rows(self, rows: torch.Tensor, values: torch.Tensor, n: int, group) -> torch.Tensor:
+        """``reduce_scatter`` of an [n, ...] tensor that is zero except at ``rows`` (``values``):
+        the same sums in the same order, without adding the zero rows (verify's live rows)."""
+
+
+def _scatter_rows(rows: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_add_(0, rows, values)
+
 
 class Single:
     """World size 1."""
@@ -50,6 +59,9 @@ class Single:
 
     def all_to_all(self, x, group):
         return x
+
+    def reduce_scatter_rows(self, rows, values, n, group):
+        return _scatter_rows(rows, values, n)
 
 
 def _all_gather(xs: list) -> list:
@@ -75,7 +87,17 @@ def _all_to_all(xs: list) -> list:
     return [torch.cat([c[pos] for c in chunks], dim=1) for pos in range(len(xs))]
 
 
-OPS = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}
+def _reduce_scatter_rows(xs: list) -> list:
+    """Members' (rows, values, n), summed into one [n, ...] tensor in group order, then split."""
+    rows, values, n = xs[0]
+    total = _scatter_rows(rows, values, n)
+    for rows, values, _ in xs[1:]:
+        total.index_add_(0, rows, values)
+    return list(_split(total, len(xs)))
+
+
+OPS = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all,
+       "reduce_scatter_rows": _reduce_scatter_rows}
 
 
 class _Meeting:
@@ -160,3 +182,6 @@ class EmulatedRank:
 
     def all_to_all(self, x, group):
         return self._call("all_to_all", x, group)
+
+    def reduce_scatter_rows(self, rows, values, n, group):
+        return self._call("reduce_scatter_rows", (rows, values, n), group)

@@ -24,11 +24,12 @@ token attends at that scale unrounded, the dequant scales live in softmax_scale 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .. import parallel
 from ..layout import hidden, kv as kvlayout
 from . import mx
 from .rope import apply as rope_apply, fused_tables
@@ -105,6 +106,15 @@ class Control:
     FIELDS = ("cos", "sin", "block_table", "block_table_swa", "pos", "pos_swa", "swa_start", "update_idx",
               "update_idx_swa")
 
+    def select(self, rows: torch.Tensor) -> "Control":
+        """The controls of some rows only (``swa_start`` keeps its layer axis)."""
+        pick = {n: getattr(self, n) for n in self.FIELDS}
+        return Control(**{n: None if v is None else (v[:, rows] if n == "swa_start" else v[rows])
+                          for n, v in pick.items()})
+
+    def to(self, device) -> "Control":
+        return Control(**{n: None if getattr(self, n) is None else getattr(self, n).to(device) for n in self.FIELDS})
+
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, hidden_actual: int) -> torch.Tensor:
     """RMSNorm over the real hidden size: the pad lanes are zero and stay out of the mean."""
@@ -167,33 +177,40 @@ def _store(x: torch.Tensor, dtype: torch.dtype, fp8_max: float | None) -> torch.
 class RoutingGuide:
     """Teacher forcing for the router (verification only), at true ties alone: where the
     reference's own margin between its k-th and (k+1)-th router logits is at most ``tol`` and our
-    top-k set differs, take the reference's set (``forced`` counts them). Judged on the
+    top-k set differs, take the reference's set (recorded in ``taken`` [L, B]). Judged on the
     reference's logits, never ours: a set that differs anywhere else is kept, and recorded in
     ``departed`` [L, B] as a departure of that layer."""
 
     experts: torch.Tensor  # [L, B, k] the reference's choices for every token of the step
     gap: torch.Tensor  # [L, B] the reference's router margin for those tokens
     tol: float
-    forced: int = 0
+    taken: torch.Tensor | None = None
     departed: torch.Tensor | None = None
 
     def __post_init__(self):
+        if self.taken is None:
+            self.taken = torch.zeros(self.gap.shape, dtype=torch.bool)
         if self.departed is None:
             self.departed = torch.zeros(self.gap.shape, dtype=torch.bool)
+
+    @property
+    def forced(self) -> int:
+        """Token-layers whose routing took the reference's set."""
+        return int(self.taken.sum())
 
 
 def route(logits: torch.Tensor, k: int, guide: RoutingGuide | None = None, layer: int = 0):
     """Top-k experts and their affinities (softmax over the k chosen logits)."""
     top, idx = torch.topk(logits, k, dim=-1)
     if guide is not None:
-        ref = guide.experts[layer]
-        differs = (idx.sort(-1).values != ref.sort(-1).values).any(-1)
+        ref = guide.experts[layer].to(idx.device)
+        differs = (idx.sort(-1).values != ref.sort(-1).values).any(-1).cpu()
         tie = guide.gap[layer] <= guide.tol
         take = differs & tie
         guide.departed[layer] |= differs & ~tie
+        guide.taken[layer] |= take
         if take.any():
-            guide.forced += int(take.sum())
-            idx = torch.where(take[:, None], ref, idx)
+            idx = torch.where(take.to(idx.device)[:, None], ref, idx)
             top = logits.gather(1, idx)
     return idx, torch.softmax(top, dim=-1)
 
@@ -211,10 +228,9 @@ class ExpertCache:
             self._items[key] = self._items.pop(key)  # most recent last
             return self._items[key]
         w = make()
-        size = sum(x.nbytes for x in w)
+        size = w.nbytes
         while self._items and self.used + size > self.budget:
-            old = self._items.pop(next(iter(self._items)))
-            self.used -= sum(x.nbytes for x in old)
+            self.used -= self._items.pop(next(iter(self._items))).nbytes
         if size <= self.budget:
             self._items[key] = w
             self.used += size
@@ -235,37 +251,130 @@ def expert_weights(t: dict, i: int, sc: Scalars, sel: slice = slice(None)):
     return w + (t["expert_down_bias"][i, sel].float(),)
 
 
+class Expert:
+    """Local expert e of layer i for eager use, read a block of rows at a time: the gate/up rows
+    of some output columns j ([2, c, in] + bias [2, c]) and the down rows of some output lanes
+    ([l, Ip] + bias [l]), as rows of the transposed weights, which a matmul takes as they are. MX
+    tiles are read by ``mx``'s table-driven readers. ``columns``: the kernel column j each down
+    column holds (None: in order)."""
+
+    def __init__(self, t: dict, i: int, e: int, sc: Scalars):
+        self.t, self.i, self.e, self.mx = t, i, e, sc.experts == "mxfp4"
+        w = t["expert_gate_up_weights"]
+        self.Ip = w.shape[-1]
+        self.columns = mx.down_columns(self.Ip, t["expert_down_weights"].shape[-3]).to(w.device) if self.mx else None
+
+    def gate_up(self, cols: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        t, i, e = self.t, self.i, self.e
+        if self.mx:
+            w = mx.gate_up_rows(t["expert_gate_up_weights"][i, e][..., cols], t["expert_gate_up_weights_scale"][i, e][..., cols])
+            return w, mx.gate_up_bias(t["expert_gate_up_bias"][i, e])[:, cols]
+        return (t["expert_gate_up_weights"][i, e][..., cols].permute(1, 2, 0).float(),
+                t["expert_gate_up_bias"][i, e][:, cols].float())
+
+    def down(self, lanes: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        t, i, e = self.t, self.i, self.e
+        if self.mx:
+            w = mx.down_rows(t["expert_down_weights"][i, e][..., lanes], t["expert_down_weights_scale"][i, e][..., lanes])
+        else:
+            w = t["expert_down_weights"][i, e][:, lanes].T.float()
+        return w, t["expert_down_bias"][i, e][lanes].float()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class DecodedExpert(Expert):
+    """An ``Expert`` read whole once and kept (``ExpertCache``); blocks are views."""
+
+    def __init__(self, t: dict, i: int, e: int, sc: Scalars):
+        super().__init__(t, i, e, sc)
+        self._gu, self._down = Expert.gate_up(self), Expert.down(self)
+
+    def gate_up(self, cols: slice = slice(None)):
+        return self._gu[0][:, cols], self._gu[1][:, cols]
+
+    def down(self, lanes: slice = slice(None)):
+        return self._down[0][lanes], self._down[1][lanes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self._gu, *self._down))
+
+
+CHUNK = 256  # output columns (lanes) read and multiplied at a time: the weights stay in the cache
+
+
+def expert_forward(ex: Expert, x: torch.Tensor, sc: Scalars) -> torch.Tensor:
+    """Rows x [n, in] (the expert's input order) through one expert -> [n, Hp], its weights read
+    ``CHUNK`` output columns at a time, the chunks on the host's cores."""
+    n = x.shape[0]
+    h = torch.empty(2, n, ex.Ip, device=x.device)
+
+    def up(j: int) -> None:
+        w, b = ex.gate_up(slice(j, j + CHUNK))
+        h[:, :, j:j + CHUNK] = torch.stack([x @ w[0].T, x @ w[1].T]) + b[:, None]
+
+    parallel.each(up, range(0, ex.Ip, CHUNK))
+    act = _swiglu(h[0], h[1], sc)
+    act = act if ex.columns is None else act[:, ex.columns]
+    y = torch.empty(n, sc.hidden_padded, device=x.device)
+
+    def down(lane: int) -> None:
+        w, b = ex.down(slice(lane, lane + CHUNK))
+        y[:, lane:lane + CHUNK] = act @ w.T + b
+
+    parallel.each(down, range(0, sc.hidden_padded, CHUNK))
+    return y
+
+
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, sc: Scalars) -> torch.Tensor:
     gate = gate.clamp(max=sc.gate_clamp_upper_limit)
     up = up.clamp(sc.up_clamp_lower_limit, sc.up_clamp_upper_limit)  # +1 is in the up bias
     return gate * torch.sigmoid(1.702 * gate) * up
 
 
+@dataclass
+class Probe:
+    """Fixed rows ``x`` [n, Hp] (kernel lanes, after the MoE's RMSNorm) that every local expert of
+    a layer also runs on, routed or not; ``out`` collects {global expert: [n, Hp]}."""
+
+    x: torch.Tensor
+    out: dict = field(default_factory=dict)
+
+
 def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide | None = None,
-            memo: ExpertCache | None = None) -> torch.Tensor:
-    """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen)."""
+            memo: ExpertCache | None = None, probe: Probe | None = None) -> torch.Tensor:
+    """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen).
+    ``probe``: every local expert also runs on the probe's rows (eager only)."""
     logits = x @ t["router_weights"][i].float() + t["router_bias"][i].float()
     idx, weights = route(logits, sc.top_k, guide if sc.ep_rank == 0 else _copy(guide), i)
     lo = sc.ep_rank * sc.experts_per_rank
     aff = torch.zeros_like(logits).scatter(1, idx, weights)[:, lo:lo + sc.experts_per_rank]  # [B, E_L]
+    order = torch.from_numpy(hidden.sigma(sc.hidden_padded)).argsort().to(x.device)
     if sc.experts == "mxfp4":
-        x = x[:, torch.from_numpy(hidden.sigma(sc.hidden_padded)).argsort()]
+        x = x[:, order]
     if torch.compiler.is_compiling():  # traced: the kernel's all-expert form, every token, every expert
         gu, gu_b, down, down_b = expert_weights(t, i, sc)
         h = _swiglu(torch.einsum("bh,ehj->ebj", x, gu[:, 0]) + gu_b[:, 0, None],
                     torch.einsum("bh,ehj->ebj", x, gu[:, 1]) + gu_b[:, 1, None], sc)
         y = torch.einsum("ebj,ejx->ebx", h, down) + down_b[:, None]
         return (aff.T[..., None] * y).sum(0)
-    # eager: only the experts with routed rows are dequantized, each over those rows (the others
-    # have affinity 0: same numbers)
-    out = torch.zeros(x.shape[0], sc.hidden_padded)
+    # eager: only the experts with routed rows (or a probe) are dequantized, each over those rows
+    # (the others have affinity 0: same numbers)
+    out = torch.zeros(x.shape[0], sc.hidden_padded, device=x.device)
+    px = None if probe is None else (probe.x[:, order] if sc.experts == "mxfp4" else probe.x)
     for e in range(sc.experts_per_rank):
         rows = torch.nonzero(aff[:, e]).flatten()
-        if len(rows):
-            make = lambda: expert_weights(t, i, sc, slice(e, e + 1))  # noqa: E731
-            gu, gu_b, down, down_b = (w[0] for w in (memo.get((sc.ep_rank, i, e), make) if memo is not None else make()))
-            h = _swiglu(x[rows] @ gu[0] + gu_b[0], x[rows] @ gu[1] + gu_b[1], sc)
-            out[rows] += aff[rows, e, None] * (h @ down + down_b)
+        if not len(rows) and px is None:
+            continue
+        ex = (memo.get((sc.ep_rank, i, e), lambda: DecodedExpert(t, i, e, sc)) if memo is not None
+              else Expert(t, i, e, sc))
+        y = expert_forward(ex, x[rows] if px is None else torch.cat([x[rows], px]), sc)
+        out[rows] += aff[rows, e, None] * y[:len(rows)]
+        if px is not None:
+            probe.out[lo + e] = y[len(rows):]
     return out
 
 

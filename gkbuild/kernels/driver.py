@@ -152,7 +152,9 @@ class Session:
     """Decode steps of one build over a batch of sequences: through the torch twins (any topology,
     emulated), or (``engine="compiled"``) through the build's compiled programs (world size 1)."""
 
-    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin", compact_kv: bool = False):
+    def __init__(self, build: Build, batch: int, max_len: int, engine: str = "twin", compact_kv: bool = False,
+                 kv: bool = True):
+        """``kv=False``: no KV caches (a caller that keeps its own, as verify's replay does)."""
         m = build.manifest
         t = m["topology"]
         self.m, self.batch = m, batch
@@ -175,7 +177,7 @@ class Session:
         # ``compact_kv``: only the blocks this run reaches (the twins take any number; what a
         # compiled program or the kernel is handed keeps the build's shapes)
         blocks = self.steps.num_blocks if compact_kv and engine == "twin" else None
-        self.kv = [build.allocate_kv(blocks) for _ in range(self.world)]
+        self.kv = [build.allocate_kv(blocks) for _ in range(self.world)] if kv else None
         self.scalars = [decode.Scalars.from_manifest(m, ep_rank=r) for r in range(self.world)]
         self.hops = len(t["hops"])
         meshes = t["meshes"]

@@ -116,3 +116,19 @@ def test_plan_reads_only_the_config(uploaded, tmp_path):
     assert json.loads(res.stdout)["files"]
     local = s3_source.cache_dir(s3_source.s3.parse(uri))
     assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["config.json"]
+
+
+def test_text_prompts_take_the_tokenizer_files_from_the_bucket_alone(uploaded):
+    """An s3:// source's tokenizer comes with its two small files, not the weights."""
+    from gkbuild import text
+    from gkbuild.checkpoint.source import parse
+
+    uri, _ = uploaded
+    spec = parse(uri)
+    assert text.local_tokenizer(spec) is None  # nothing fetched yet, and none asked for
+    tok = text.tokenizer(spec)
+    assert text.encode(tok, ["Once upon a time"], chat=True)[0][0] == tok.convert_tokens_to_ids("<|start|>")
+    folder = text.folder(spec)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["tokenizer.json",
+                                                                                     "tokenizer_config.json"]
+    assert text.local_tokenizer(spec) is not None  # now in the local mirror

@@ -130,3 +130,17 @@ def test_batch_grouped_tail_at_the_production_geometry_puts_every_row_where_owne
         assert rows == [r, 128 + r]
         assert torch.equal(outs[r].topk_indices, order[rows]) and torch.equal(outs[r].topk_values, values[rows])
         assert outs[r].tokens.tolist() == order[rows, 0].tolist()
+
+
+def test_a_sparse_reduce_scatter_is_the_dense_one_bit_for_bit():
+    """verify's MoE hands the EP reduce-scatter only the rows a rank's experts add to."""
+    world, n = 8, 16
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randperm(n, generator=g)[: r % 5] for r in range(world)]  # rank 0 adds nothing
+    values = [torch.randn(len(rows[r]), 3, generator=g) for r in range(world)]
+    dense = [torch.zeros(n, 3).index_put((rows[r],), values[r]) for r in range(world)]
+    em = _emulator(world)
+    sparse = em.run(lambda r, comm: comm.reduce_scatter_rows(rows[r], values[r], n, "ep"))
+    full = em.run(lambda r, comm: comm.reduce_scatter(dense[r], "ep"))
+    assert all(torch.equal(a, b) for a, b in zip(sparse, full))
+    assert torch.equal(Single().reduce_scatter_rows(rows[3], values[3], n, "ep"), dense[3])

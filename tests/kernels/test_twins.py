@@ -78,14 +78,19 @@ def test_fused_embedding_gives_the_host_rows_exactly(placement):
     assert B == world * t_shard
 
 
+def _random_mx(experts: int, seed: int):
+    """(dims, HF gate_up blocks, scales, down blocks, scales) of random MXFP4 experts at widths that pad."""
+    rng = np.random.default_rng(seed)
+    d = Dims.of(dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960))
+    return (d, rng.integers(0, 256, (experts, 2 * d.I, d.H // 32, 16), dtype=np.uint8),
+            rng.integers(118, 125, (experts, 2 * d.I, d.H // 32), dtype=np.uint8),
+            rng.integers(0, 256, (experts, d.H, d.I // 32, 16), dtype=np.uint8),
+            rng.integers(118, 125, (experts, d.H, d.I // 32), dtype=np.uint8))
+
+
 def test_mx_reader_agrees_with_the_checkpoint_decode():
     """The twin's reader of the tiles and mxfp4.decode of the HF bytes give the same matrices."""
-    rng = np.random.default_rng(0)
-    d = Dims.of(dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960))
-    gb = rng.integers(0, 256, (1, 2 * d.I, d.H // 32, 16), dtype=np.uint8)
-    gs = rng.integers(118, 125, (1, 2 * d.I, d.H // 32), dtype=np.uint8)
-    db = rng.integers(0, 256, (1, d.H, d.I // 32, 16), dtype=np.uint8)
-    ds = rng.integers(118, 125, (1, d.H, d.I // 32), dtype=np.uint8)
+    d, gb, gs, db, ds = _random_mx(1, 0)
     W, S, _ = experts_mx.gate_up(d, gb, gs, np.zeros((1, 2 * d.I), np.float32))
     dense = mx.gate_up(torch.from_numpy(W[0].view(np.int16)).view(torch.uint16), torch.from_numpy(S[0]))
     ref = mxfp4.decode(gb[0], gs[0])  # [2I (interleaved), H]
@@ -106,3 +111,66 @@ def test_mx_reader_agrees_with_the_checkpoint_decode():
         for x in range(0, d.Hp, 29):
             want = refd[sig[x], i] if (sig[x] < d.H and i < d.I) else 0.0
             assert dd[j, x] == want
+
+
+def test_the_table_driven_readers_are_the_traced_readers_transposed():
+    """Eager verify reads every expert through mx's u16 table (rows of the transposed weights);
+    the traced programs through nibble lookups. The same tiles give the same numbers."""
+    d, gb, gs, db, ds = _random_mx(2, 1)
+    W, S, _ = experts_mx.gate_up(d, gb, gs, np.zeros((2, 2 * d.I), np.float32))
+    Wd, Sd, _ = experts_mx.down(d, db, ds, np.zeros((2, d.H), np.float32))
+    u16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.uint16)  # noqa: E731
+    for e in range(2):
+        assert torch.equal(mx.gate_up_rows(u16(W[e]), torch.from_numpy(S[e])),
+                           mx.gate_up(u16(W[e]), torch.from_numpy(S[e])).transpose(-1, -2))
+        rows = mx.down_rows(u16(Wd[e]), torch.from_numpy(Sd[e]))
+        traced = mx.down(u16(Wd[e]), torch.from_numpy(Sd[e]))  # [Ip (column j), Hp]
+        assert torch.equal(rows, traced[mx.down_columns(d.Ip, d.P_I)].T)
+    # a leading expert axis reads as each expert alone
+    assert torch.equal(mx.gate_up_rows(u16(W), torch.from_numpy(S))[1], mx.gate_up_rows(u16(W[1]), torch.from_numpy(S[1])))
+    assert sorted(mx.down_columns(d.Ip, d.P_I).tolist()) == list(range(d.Ip))
+
+
+def test_expert_forward_on_rows_is_the_traced_all_expert_form():
+    """decode.experts' eager path (rows form, probes) against its traced einsum form."""
+    cfg = dataclasses.replace(preset("tiny"), hidden_size=448, intermediate_size=960)
+    d = Dims.of(cfg)
+    rng = np.random.default_rng(2)
+    W, S, B = experts_mx.gate_up(d, rng.integers(0, 256, (8, 2 * d.I, d.H // 32, 16), dtype=np.uint8),
+                                 rng.integers(120, 124, (8, 2 * d.I, d.H // 32), dtype=np.uint8),
+                                 rng.normal(0, 0.1, (8, 2 * d.I)).astype(np.float32))
+    Wd, Sd, Bd = experts_mx.down(d, rng.integers(0, 256, (8, d.H, d.I // 32, 16), dtype=np.uint8),
+                                 rng.integers(120, 124, (8, d.H, d.I // 32), dtype=np.uint8),
+                                 rng.normal(0, 0.1, (8, d.H)).astype(np.float32))
+    u16 = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.uint16)  # noqa: E731
+    t = {"expert_gate_up_weights": u16(W)[None], "expert_gate_up_weights_scale": torch.from_numpy(S)[None],
+         "expert_gate_up_bias": torch.from_numpy(B)[None], "expert_down_weights": u16(Wd)[None],
+         "expert_down_weights_scale": torch.from_numpy(Sd)[None], "expert_down_bias": torch.from_numpy(Bd)[None],
+         "router_weights": torch.from_numpy(rng.normal(0, 1, (1, d.Hp, 8)).astype(np.float32)),
+         "router_bias": torch.zeros(1, 8)}
+    sc = decode.Scalars(num_layers=1, eps=1e-5, hidden_actual=d.H, hidden_padded=d.Hp, top_k=4, softmax_scale=0.125,
+                        gate_clamp_upper_limit=7.0, up_clamp_upper_limit=8.0, up_clamp_lower_limit=-6.0, k_scale=None,
+                        v_scale=None, kv_dtype="bf16", packed=False, block_size=4, experts="mxfp4", ep_rank=0,
+                        experts_per_rank=8)
+    x = torch.from_numpy(rng.normal(0, 1, (5, d.Hp)).astype(np.float32)) * torch.from_numpy(~hidden.pad_lanes(d.H, d.Hp))
+    probe = decode.Probe(x[:2].clone())
+    eager = decode.experts(t, 0, x, sc, probe=probe)
+    gu, gu_b, down, down_b = decode.expert_weights(t, 0, sc)
+    xs = x[:, torch.from_numpy(hidden.sigma(d.Hp)).argsort()]
+    h = decode._swiglu(torch.einsum("bh,ehj->ebj", xs, gu[:, 0]) + gu_b[:, 0, None],
+                       torch.einsum("bh,ehj->ebj", xs, gu[:, 1]) + gu_b[:, 1, None], sc)
+    every = torch.einsum("ebj,ejx->ebx", h, down) + down_b[:, None]  # [E, B, Hp]: every expert, every row
+    logits = x @ t["router_weights"][0] + t["router_bias"][0]
+    idx, w = decode.route(logits, 4)
+    want = (torch.zeros(5, 8).scatter(1, idx, w).T[..., None] * every).sum(0)
+    torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)
+    assert sorted(probe.out) == list(range(8))
+    torch.testing.assert_close(torch.stack([probe.out[e] for e in range(8)]), every[:, :2], rtol=1e-4, atol=1e-4)
+
+
+def test_the_device_lookup_is_the_cpu_lookup():
+    """mx's table lookup takes torch's indexing on a GPU (no numpy there): the same values."""
+    u = torch.from_numpy(np.random.default_rng(3).integers(0, 1 << 16, (7, 33), dtype=np.uint16).view(np.int16))
+    u = u.view(torch.uint16)
+    assert torch.equal(mx._quad(u, numpy=False), mx._quad(u, numpy=True))
+    assert torch.equal(mx._quad(u)[..., 1], mx.E2M1[(u.view(torch.int16).to(torch.int32) >> 4) & 0xF])

@@ -1,0 +1,27 @@
+"""Independent chunks of array work on the host's cores: numpy's take and ufuncs and torch's
+kernels release the GIL inside their loops, so threads overlap where a process has only one
+interpreter (verify's emulated ranks are greenlets on one thread). One pool for the process: the
+reference and verify hand it tens of thousands of small chunk lists (publish's ``run_each`` makes a
+pool a call, for a few long file transfers it can cancel)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
+WORKERS = max(1, min(os.cpu_count() or 1, 4))
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk")
+
+
+def each(fn: Callable, items: Iterable) -> list:
+    """fn(item) for every item, on up to WORKERS threads; results in order, the first error raised."""
+    items = list(items)
+    if WORKERS == 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
