@@ -86,9 +86,10 @@ def test_deeply_nested_files_of_a_build_a_checkpoint_a_golden_and_a_recipe_are_o
     g = tmp_path / "g.safetensors"
     from safetensors.torch import save_file
 
-    save_file({k: torch.zeros(1, 1, dtype=torch.int64) for k in ("token_ids", "logits", "hidden", "routing",
-                                                                  "router_gap")}, str(g),
-              metadata={"format": "gkbuild-golden-2", "prompt_len": "1", "meta": DEEP})
+    from gkbuild.golden import FORMAT, TENSORS
+
+    save_file({k: torch.zeros(1, 1, dtype=torch.int64) for k in TENSORS}, str(g),
+              metadata={"format": FORMAT, "prompt_lens": "[1]", "meta": DEEP})
     with pytest.raises(GkError, match="golden metadata: nested deeper"):
         Golden.load(g)
     deep_recipe = tmp_path / "deep.yaml"
@@ -200,9 +201,10 @@ def _golden(path, **over):
 
     t = {"token_ids": torch.zeros(1, 2, dtype=torch.int64), "logits": torch.zeros(1, 2, 64),
          "hidden": torch.zeros(1, 2, 2, 128), "routing": torch.zeros(1, 2, 2, 4, dtype=torch.int64),
-         "router_gap": torch.zeros(1, 2, 2)}
+         "router_gap": torch.zeros(1, 2, 2), "final_norm": torch.zeros(1, 2, 128), "expert_inputs": torch.zeros(4, 128),
+         "expert_outputs": torch.zeros(2, 4, 4, 128)}
     t.update(over)
-    Golden(**t, prompt_len=1, meta={"kv": KvFormat("bf16").to_meta()}).save(path)
+    Golden(**t, prompt_lens=[1], meta={"kv": KvFormat("bf16").to_meta()}).save(path)
     return path
 
 
@@ -210,7 +212,8 @@ def test_golden_inputs_are_checked_before_use(built, tmp_path):
     m = mf.load(built)["model"]
     V, E, L, H = m["vocab_size"], m["num_local_experts"], m["num_hidden_layers"], m["hidden_size"]
     shapes = dict(logits=torch.zeros(1, 2, V), hidden=torch.zeros(1, L, 2, H), router_gap=torch.zeros(1, L, 2),
-                  routing=torch.zeros(1, L, 2, m["experts_per_token"], dtype=torch.int64))
+                  routing=torch.zeros(1, L, 2, m["experts_per_token"], dtype=torch.int64),
+                  final_norm=torch.zeros(1, 2, H), expert_inputs=torch.zeros(4, H), expert_outputs=torch.zeros(L, E, 4, H))
     bad_token = _golden(tmp_path / "t.safetensors", token_ids=torch.tensor([[0, V]]), **shapes)
     _one_line(run_cli("verify", str(built), "--golden", str(bad_token)), f"token ids reach {V}")
     routing = shapes.pop("routing") + 999
