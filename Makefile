@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/gkbuild compile recipes/tiny-cpu.yaml
-	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --engine compiled --prompt "The capital of France is" --chat \
+	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --prompt "The capital of France is" --chat \
 		--prompt "Once upon a time" --steps 8 --report artifacts/tiny-cpu-report
+	$(VENV)/bin/gkbuild verify artifacts/tiny-cpu --engine compiled --steps 8 -q
 
 # Two workers, a test file each at a time (module fixtures stay in one process): the 2-core CI
 # machines run the suite in about 11 minutes instead of 16.

@@ -446,6 +446,10 @@ def _print_verify(rep) -> None:
     tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
               f"{rep.routing_forced} of {rep.routing_total} token-layers; tolerances {tol}", markup=False)
+    if rep.unjudged:
+        out.print(f"note: {rep.unjudged} positions not judged: from a true tie of the reference's routing on, as the "
+                  f"compiled programs cannot be steered to its experts (either set is the model's; each tie counts "
+                  f"as forced; --engine twin judges them all)", markup=False)
     if rep.unmodeled:
         out.print(f"note: the programs were compiled with {', '.join(rep.unmodeled)}, numerics the twins do not "
                   f"model: this verify vouches for the kernel's reference path, not for what those switches change")

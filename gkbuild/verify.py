@@ -142,6 +142,7 @@ class Report:
     texts: list[dict] = field(default_factory=list)  # per sequence: prompt, reference and build continuations
     unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
     prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
+    unjudged: int = 0  # positions left unjudged: from a true tie of the reference a compiled program cannot be steered at
 
     @property
     def too_many_forced(self) -> bool:
@@ -195,6 +196,7 @@ class Report:
                          "tolerance": TAIL_TOL, "departs": self.tail_departs},
                 "position_errors": self.position_errors, "router_margin": self.router_margin, "texts": self.texts,
                 "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
+                "positions_unjudged": self.unjudged,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -220,26 +222,34 @@ def compare_position(ours: torch.Tensor, ref: torch.Tensor, tol: dict, div_tol: 
     return ok, verdict, errs
 
 
-def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 0) -> Report:
-    """logits, ref: [P, T, V]; positions before ``steps_from`` are not judged; ``kv``: the tier."""
+def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 0,
+            skip: torch.Tensor | None = None) -> Report:
+    """logits, ref: [P, T, V]; positions before ``steps_from`` are not judged, nor those ``skip``
+    [P, T] marks; ``kv``: the tier."""
     tol, div = TOLERANCES[kv], DIVERGENCE_TOL[kv]
     P, T, _ = ref.shape
+    skip = torch.zeros(P, T, dtype=torch.bool) if skip is None else skip
     reports, first = [], None
     for t in range(steps_from, T):
         counts = {"exact": 0, "near": 0, "wrong": 0}
         worst = {k: 0.0 for k in tol}
         step_ok = True
         for p in range(P):
+            if skip[p, t]:
+                continue
             ok, verdict, errs = compare_position(logits[p, t], ref[p, t], tol, div)
             counts[verdict] += 1
             worst = {k: max(worst[k], errs[k]) for k in tol}
             if not ok:
                 step_ok = False
                 first = first or (p, t)
-        cos = torch.nn.functional.cosine_similarity(logits[:, t], ref[:, t], dim=-1).min()
+        judged = [p for p in range(P) if not skip[p, t]]
+        if not judged:
+            continue
+        cos = torch.nn.functional.cosine_similarity(logits[judged, t], ref[judged, t], dim=-1).min()
         k5 = min(5, ref.shape[-1])
         overlap = sum(len(set(logits[p, t].topk(k5).indices.tolist()) & set(ref[p, t].topk(k5).indices.tolist()))
-                      for p in range(P)) / (k5 * P)
+                      for p in judged) / (k5 * len(judged))
         reports.append(StepReport(t, counts["exact"], counts["near"], counts["wrong"], worst, float(cos), step_ok,
                                   overlap))
     rep = Report(reports, first is None, kv, first)
@@ -247,6 +257,7 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 
     rep.min_cosine = min(s.min_cosine for s in reports)
     err = (logits - ref).abs().amax(-1)
     err[:, :steps_from] = float("nan")  # not the build's (a DI prefill's): null in the report
+    err[skip] = float("nan")
     rep.position_errors = err.tolist()
     return rep
 
@@ -343,7 +354,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
             ours, facts, t0 = _stepwise(build, g, batch, engine, device, quiet, prefill)
     finally:
         build.close()
-    rep = compare(ours, g.logits, kv, steps_from=t0)
+    rep = compare(ours, g.logits, kv, steps_from=t0, skip=None if facts.unjudged is None else facts.unjudged[..., -1])
     rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
     rep.prefilled = t0
     _judge(rep, g, facts, kv)
@@ -406,6 +417,10 @@ class _Facts:
     probes: torch.Tensor  # [L, E, n, H] every expert on the probe rows
     norm: torch.Tensor  # [P, T] the tail's final norm against the reference's
     lm_head: torch.Tensor  # [P, T] the tail's logits from the reference's norm output
+    # [P, T, L]: not judged where the reference's routing is at a true tie and the engine cannot be
+    # steered to its set (a compiled program): that layer and those above, and every later position of
+    # the sequence (the other set's K/V feeds them); either set is the model's
+    unjudged: torch.Tensor | None = None
 
 
 def _replay(build, g, batch: int, engine: str, device: str, quiet: bool):
@@ -470,6 +485,11 @@ def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefi
             ours[:, t] = res.logits[rows]
             f.errors[:, t] = torch.stack([relative(h[rows], g.hidden[:, i, t]) for i, h in enumerate(res.hiddens)], -1)
             f.departed[:, t], f.forced[:, t] = guide.departed[:, rows].T, guide.taken[:, rows].T
+    if engine == "compiled":  # a program takes no routing guide: at a true tie of the reference either set is right
+        tie = (g.router_gap <= TIE).permute(0, 2, 1)  # [P, T, L]
+        after = (tie.any(-1).cumsum(1) - tie.any(-1).int()) > 0  # [P, T]: a later position of that sequence
+        # the tie's layer and those above it, and through the KV every later position of the sequence
+        f.forced, f.unjudged = tie, tie.cummax(-1).values | after[..., None]  # every tie counts against the cap
     for i in range(L):
         f.probes[i] = probe_experts(session, i, g.expert_inputs)
     f.norm, f.lm_head = _tail_check(session, g)
@@ -498,13 +518,17 @@ def _judge(rep: Report, g, f: _Facts, kv: str) -> None:
     t0 = rep.prefilled  # positions before it are a DI prefill's, not the build's
     if t0:
         f = replace(f, errors=f.errors[:, t0:], departed=f.departed[:, t0:], forced=f.forced[:, t0:],
-                    norm=f.norm[:, t0:], lm_head=f.lm_head[:, t0:])
+                    norm=f.norm[:, t0:], lm_head=f.lm_head[:, t0:],
+                    unjudged=None if f.unjudged is None else f.unjudged[:, t0:])
+    if f.unjudged is not None:  # left out of every layer statistic (NaN is ignored below)
+        f = replace(f, errors=f.errors.masked_fill(f.unjudged, float("nan")))
+        rep.unjudged = int(f.unjudged[..., -1].sum())
     P, T, L = f.errors.shape
     local = f.local if f.local is not None else f.errors
     local_departed = f.local_departed if f.local_departed is not None else f.departed
-    rep.layer_errors = f.errors.amax(dim=(0, 1)).tolist()
-    rep.layer_local_errors = local.amax(dim=(0, 1)).tolist()
-    rep.layer_local_median = local.reshape(-1, L).median(0).values.tolist()
+    rep.layer_errors = f.errors.nan_to_num(nan=0.0).amax(dim=(0, 1)).tolist()
+    rep.layer_local_errors = local.nan_to_num(nan=0.0).amax(dim=(0, 1)).tolist()
+    rep.layer_local_median = local.reshape(-1, L).nanmedian(0).values.tolist()
     rep.layer_routing = f.departed.sum(dim=(0, 1)).tolist()
     rep.layer_local_routing = local_departed.sum(dim=(0, 1)).tolist()
     rep.layer_forced = f.forced.sum(dim=(0, 1)).tolist()

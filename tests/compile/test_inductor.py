@@ -74,6 +74,23 @@ def test_compiled_engine_passes_verify(built):
     assert r.returncode == 0 and json.loads(r.stdout)["ok"]
 
 
+def test_a_tie_the_compiled_programs_cannot_be_steered_at_is_not_judged_from_there_on(built):
+    """A compiled program takes no routing guide: from a true tie of the reference (here made at
+    sequence 0, layer 1, position 3 of a real golden) that layer and, through the KV, every later
+    position of the sequence are left out, and the tie counts as forced; sequence 1 is judged whole."""
+    from gkbuild.golden import default_prompts, for_checkpoint
+    from gkbuild.checkpoint.source import materialize, parse
+
+    out, _ = built
+    m = mf.load(out)
+    g = for_checkpoint(materialize(parse(m["source"]["uri"])), default_prompts(4096, 2, 4), 4, verify.build_kv(m))
+    g.router_gap[0, 1, 3] = 0.0
+    rep = verify.run(out, golden=g, engine="compiled")
+    assert rep.ok and rep.unjudged == 8 - 3 and rep.routing_forced >= 1, rep.to_dict()
+    errors = rep.to_dict()["position_errors"]  # an unjudged position is null
+    assert [e is None for e in errors[0]] == [False] * 3 + [True] * 5 and None not in errors[1]
+
+
 def test_recompiles_only_for_a_new_compiler(built, monkeypatch, tmp_path):
     out, first = built
     b = tmp_path / "b"
