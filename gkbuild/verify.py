@@ -93,8 +93,6 @@ def _name(f: KvFormat) -> str:
     return f.dtype + (f" (k_scale {f.k_scale}, v_scale {f.v_scale})" if f.fp8 else "")
 
 
-
-
 @dataclass
 class StepReport:
     step: int  # position in the sequence (0 = first prompt token)
@@ -231,21 +229,19 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 
     skip = torch.zeros(P, T, dtype=torch.bool) if skip is None else skip
     reports, first = [], None
     for t in range(steps_from, T):
+        judged = [p for p in range(P) if not skip[p, t]]
+        if not judged:
+            continue
         counts = {"exact": 0, "near": 0, "wrong": 0}
         worst = {k: 0.0 for k in tol}
         step_ok = True
-        for p in range(P):
-            if skip[p, t]:
-                continue
+        for p in judged:
             ok, verdict, errs = compare_position(logits[p, t], ref[p, t], tol, div)
             counts[verdict] += 1
             worst = {k: max(worst[k], errs[k]) for k in tol}
             if not ok:
                 step_ok = False
                 first = first or (p, t)
-        judged = [p for p in range(P) if not skip[p, t]]
-        if not judged:
-            continue
         cos = torch.nn.functional.cosine_similarity(logits[judged, t], ref[judged, t], dim=-1).min()
         k5 = min(5, ref.shape[-1])
         overlap = sum(len(set(logits[p, t].topk(k5).indices.tolist()) & set(ref[p, t].topk(k5).indices.tolist()))
@@ -339,7 +335,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if g.logits.shape[-1] != cfg["vocab_size"] or L != cfg["num_hidden_layers"] or g.hidden.shape[-1] != cfg["hidden_size"] \
             or g.expert_outputs.shape[1] != cfg["num_local_experts"]:
         raise GkError("the golden's model (vocabulary, layers, hidden size or experts) does not match the build's")
-    _check_ids(g, m["model"])
+    _check_ids(g, cfg)
     if P > batch:
         raise GkError(f"the golden has {P} sequences; the build decodes batches of at most {batch}")
     if engine == "neuron":
@@ -487,7 +483,8 @@ def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefi
             f.departed[:, t], f.forced[:, t] = guide.departed[:, rows].T, guide.taken[:, rows].T
     if engine == "compiled":  # a program takes no routing guide: at a true tie of the reference either set is right
         tie = (g.router_gap <= TIE).permute(0, 2, 1)  # [P, T, L]
-        after = (tie.any(-1).cumsum(1) - tie.any(-1).int()) > 0  # [P, T]: a later position of that sequence
+        at = tie.any(-1)  # [P, T]
+        after = (at.cumsum(1) - at.int()) > 0  # [P, T]: a later position of that sequence
         # the tie's layer and those above it, and through the KV every later position of the sequence
         f.forced, f.unjudged = tie, tie.cummax(-1).values | after[..., None]  # every tie counts against the cap
     for i in range(L):
