@@ -17,6 +17,26 @@ RECIPES = ROOT / "recipes"
 
 
 @pytest.fixture(scope="session")
+def built(tmp_path_factory) -> Path:
+    """tiny-cpu built without its compile (seconds), shared read-only; modules that need another
+    build define their own ``built``."""
+    from gkbuild import recipe
+    from gkbuild.pipeline.pipeline import compile_build
+
+    out = tmp_path_factory.mktemp("tiny-cpu") / "tiny-cpu"
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml"), out=out, quiet=True, compile=False)
+    return out
+
+
+@pytest.fixture
+def build(built, tmp_path) -> Path:
+    """A private copy of ``built`` a test may change."""
+    dst = tmp_path / "build"
+    shutil.copytree(built, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The tiny preset, split over several files like a hub checkpoint."""
     return synthesize(preset("tiny"), tmp_path_factory.mktemp("ck") / "tiny", seed=0, max_shard_bytes=8 << 20)

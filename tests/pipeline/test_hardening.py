@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,20 +20,6 @@ from gkbuild.runtime import Build
 from tests.conftest import RECIPES, run_cli
 
 TINY = str(RECIPES / "tiny-cpu.yaml")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hard") / "b"
-    compile_build(recipe.load(TINY), out=out, quiet=True, compile=False)
-    return out
-
-
-@pytest.fixture
-def build(built, tmp_path) -> Path:
-    dst = tmp_path / "b"
-    shutil.copytree(built, dst)
-    return dst
 
 
 def _compile(out, *extra):

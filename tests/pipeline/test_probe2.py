@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,20 +28,6 @@ from tests.conftest import RECIPES, run_cli
 
 TINY = str(RECIPES / "tiny-cpu.yaml")
 DEEP = "[" * 200_000 + "]" * 200_000
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("probe2") / "b"
-    compile_build(recipe.load(TINY), out=out, quiet=True, compile=False)
-    return out
-
-
-@pytest.fixture
-def build(built, tmp_path) -> Path:
-    dst = tmp_path / "b"
-    shutil.copytree(built, dst)
-    return dst
 
 
 def _compile(out, *extra, env=None):

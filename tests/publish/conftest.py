@@ -1,36 +1,16 @@
-"""A small real build to publish (the tiny cpu recipe, no compile: seconds), and helpers that
-craft stores the way an attacker or a broken disk would."""
+"""Helpers that craft stores the way an attacker or a broken disk would (the build to publish is
+the shared ``built`` / ``build`` of tests/conftest.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
-import pytest
 import zstandard
 
-from gkbuild import recipe
 from gkbuild.pipeline import manifest as mf
-from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.publish import index
-from tests.conftest import RECIPES
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pub") / "tiny-cpu"
-    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml"), out=out, quiet=True, compile=False)
-    return out
-
-
-@pytest.fixture
-def build(built, tmp_path) -> Path:
-    """A private copy a test may change."""
-    dst = tmp_path / "build"
-    shutil.copytree(built, dst)
-    return dst
 
 
 def put_blob(store: Path, data: bytes, encoding: str = "zstd") -> dict:
