@@ -266,3 +266,19 @@ def test_a_cache_that_cannot_be_written_still_loads_a_valid_build(build, tmp_pat
     monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path / "file" / "cache"))
     b = Build.open(build)
     assert b.load_rank(0) and b.load_host() is not None
+
+
+@pytest.mark.parametrize("lens", ["[0]", "[1000000000000]", '"x"', "[true]", "{}", "[NaN]", "[1, 1]", "[" * 100 + "]" * 100])
+def test_hostile_prompt_lengths_in_a_golden_are_one_line(tmp_path, lens):
+    """A golden's prompt lengths are data: not a list of one in-range integer a sequence, or not
+    strict JSON, is one line naming the file, never a crash or a judged verify."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    path = _golden(tmp_path / "g.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    meta["prompt_lens"] = lens
+    save_file(load_file(str(path)), str(path), metadata=meta)
+    with pytest.raises(GkError, match=str(path)):
+        Golden.load(path)
