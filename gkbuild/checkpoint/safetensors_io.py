@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import dtypes, jsonio
+from . import direct_io
 from ..errors import GkError, shown
 
 _MAX_HEADER = 100 * 1024 * 1024
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
 
 @dataclass(frozen=True)
@@ -225,17 +227,13 @@ def fsync_dir(path: Path) -> None:
 
 
 class SafetensorsWriter:
-    """Write one safetensors file whose tensor list is known up front.
+    """Write one safetensors file whose tensor list is known up front, positionally: ``write`` in
+    any order and chunking, from several threads.
 
-    Two ways to fill it: ``write`` (positional: any order, any chunking, from several threads) or
-    ``append`` (tensors in file order, ``order``): appended bytes are hashed as they go, so a
-    file written only by appends has its ``sha256`` without being read back.
-
-    Bytes go to ``<path>.<pid>.<thread>.partial`` with positional writes (any order, any chunking, from several
-    threads); ``close()``
-    checks every byte was written, fsyncs and renames into place (``durable=False`` leaves the
-    fsync to a caller that syncs the whole filesystem before it relies on the file). ``abort()``
-    removes the partial file. Use as a context manager: an exception aborts.
+    Bytes go to ``<path>.<pid>.<thread>.partial``; ``close()`` checks every byte was written,
+    fsyncs and renames into place (``durable=False`` leaves the fsync to a caller that syncs the
+    whole filesystem before it relies on the file). ``abort()`` removes the partial file. Use as a
+    context manager: an exception aborts.
     """
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
@@ -247,39 +245,32 @@ class SafetensorsWriter:
         self.specs = {s.name: s for s in specs}
         if len(self.specs) != len(specs):
             raise GkError(f"{path}: duplicate tensor names")
-        header, rel = layout_header(specs, metadata)
-        self._base = len(header)
+        self.header, rel = layout_header(specs, metadata)
+        self._base = len(self.header)
         self._offsets = {k: self._base + v for k, v in rel.items()}
         self.order = sorted(self.specs, key=lambda k: rel[k])
         self._written = {k: 0 for k in self.specs}
         self._lock = threading.Lock()
-        self._hash = hashlib.sha256(header)
-        self._cursor = self._base  # next byte an append writes
-        self.sha256: str | None = None
         self.size = self._base + sum(s.nbytes for s in specs)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        os.ftruncate(self._fd, self.size)
-        os.pwrite(self._fd, header, 0)
+        self._fd = self._open()
 
-    def append(self, name: str, data: np.ndarray) -> None:
-        """Write the next bytes of the file, which must belong to tensor ``name``."""
-        if self._hash is None:
-            raise GkError(f"{self.path.name}: append after positional writes")
-        spec = self.specs[name]
-        start = self._cursor - self._offsets[name]
-        if not 0 <= start < spec.nbytes:
-            raise GkError(f"{self.path.name}: tensor {name} appended out of file order")
-        buf = self._bytes(name, data)
-        self._hash.update(buf)
-        self._put(name, buf, self._cursor)
-        self._cursor += len(buf)
+    def _open(self) -> int:
+        fd = os.open(self.tmp, _CREATE, 0o644)
+        os.ftruncate(fd, self.size)
+        os.pwrite(fd, self.header, 0)
+        return fd
 
     def write(self, name: str, data: np.ndarray, start: int = 0) -> None:
         """Write ``data`` (the tensor's dtype, C order) at element offset ``start`` of ``name``."""
-        self._hash = None  # positional writes: no running hash
         buf = self._bytes(name, data)
-        self._put(name, buf, self._offsets[name] + start * dtypes.dtype(self.specs[name].dtype).itemsize)
+        pos = self._offsets[name] + start * dtypes.dtype(self.specs[name].dtype).itemsize
+        self._check_room(name, pos, len(buf))
+        nbytes = len(buf)
+        while len(buf):
+            n = os.pwrite(self._fd, buf, pos)
+            buf, pos = buf[n:], pos + n
+        self._count(name, nbytes)
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
         spec = self.specs[name]
@@ -288,32 +279,31 @@ class SafetensorsWriter:
             raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
-    def _put(self, name: str, buf: memoryview, pos: int) -> None:
-        spec = self.specs[name]
-        if pos + len(buf) > self._offsets[name] + spec.nbytes:
+    def _check_room(self, name: str, pos: int, nbytes: int) -> None:
+        if pos + nbytes > self._offsets[name] + self.specs[name].nbytes:
             raise GkError(f"{self.path.name}: write past the end of tensor {name}")
-        nbytes = len(buf)
-        while len(buf):
-            n = os.pwrite(self._fd, buf, pos)
-            buf, pos = buf[n:], pos + n
+
+    def _count(self, name: str, nbytes: int) -> None:
         with self._lock:
             self._written[name] += nbytes
+
+    def _finish(self) -> None:
+        """Everything written reaches the file (a stream's staged bytes)."""
 
     def close(self) -> Path:
         short = [k for k, s in self.specs.items() if self._written[k] != s.nbytes]
         if short:
             self.abort()
             raise GkError(f"{self.path}: tensors not fully written: {short[:5]}")
-        if self._hash is not None:
-            self.sha256 = self._hash.hexdigest()
-        if self.durable:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
         try:
+            self._finish()
+            if self.durable:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
             os.replace(self.tmp, self.path)
-        except OSError:  # a full disk or a read-only folder: nothing half-written stays behind
-            self.tmp.unlink(missing_ok=True)
+        except BaseException:  # a full disk or a read-only folder: nothing half-written stays behind
+            self.abort()
             raise
         if self.durable:
             fsync_dir(self.path.parent)
@@ -333,3 +323,42 @@ class SafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+class SafetensorsStream(SafetensorsWriter):
+    """A safetensors file written front to back: ``append`` takes the tensors in file order
+    (``order``), hashes the bytes as they go (``sha256`` after ``close``, no read-back), and writes
+    them around the page cache (``direct_io``): a build writes its shards once and reads none back.
+    """
+
+    def _open(self) -> int:
+        fd, direct = direct_io.open_direct(self.tmp, _CREATE)
+        self._out = direct_io.DirectAppender(fd, direct)
+        self._hash = hashlib.sha256(self.header)
+        self._cursor = self._base  # next byte an append writes
+        self.sha256: str | None = None
+        self._out.put(memoryview(self.header))
+        return fd
+
+    def write(self, name: str, data: np.ndarray, start: int = 0) -> None:
+        raise GkError(f"{self.path.name}: a stream is written front to back (append), not positionally")
+
+    def append(self, name: str, data: np.ndarray) -> None:
+        """Write the next bytes of the file, which must belong to tensor ``name``."""
+        start = self._cursor - self._offsets[name]
+        if not 0 <= start < self.specs[name].nbytes:
+            raise GkError(f"{self.path.name}: tensor {name} appended out of file order")
+        buf = self._bytes(name, data)
+        self._check_room(name, self._cursor, len(buf))
+        self._hash.update(buf)
+        self._out.put(buf)
+        self._cursor += len(buf)
+        self._count(name, len(buf))
+
+    def _finish(self) -> None:
+        self._out.finish(self.size)
+        self.sha256 = self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._out.close()
+        super().abort()
