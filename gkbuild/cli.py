@@ -178,7 +178,7 @@ def plan(recipe_path, overrides, as_json, show_compile):
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Build folder (default: the recipe's output, artifacts/<name>).")
-@click.option("--jobs", "-j", type=int, default=None, help="Parallel worker processes (default: the core count).")
+@click.option("--jobs", "-j", type=int, default=None, help="Parallel worker processes (default: one more than the cores).")
 @click.option("--force", is_flag=True, help="Rebuild every stage, ignoring the cache.")
 @click.option("--no-compile", is_flag=True, help="Stop before tracing/compiling: shards, metadata and manifest only.")
 @click.option("--require-neff", is_flag=True, help="Fail (rather than warn) when a trn target's NEFFs cannot be "

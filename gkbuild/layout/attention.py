@@ -22,7 +22,7 @@ def qkv(dims: Dims, t: int, q_w, k_w, v_w, q_b, k_b, v_b) -> tuple[np.ndarray, n
     qh, kh = dims.q_heads_of(t), dims.kv_heads_of(t)
     w = np.concatenate([_rows(q_w, qh, dims.d), _rows(k_w, kh, dims.d), _rows(v_w, kh, dims.d)])
     b = np.concatenate([_rows(q_b, qh, dims.d), _rows(k_b, kh, dims.d), _rows(v_b, kh, dims.d)])
-    return hidden.to_kernel(arrays.transpose(w), 0, dims.Hp), b[None, :]
+    return hidden.to_kernel_t(w, dims.Hp), b[None, :]
 
 
 def qkv_inverse(dims: Dims, shards: list[tuple[np.ndarray, np.ndarray]]):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import arrays
+
 
 def sigma(Hp: int) -> np.ndarray:
     """sigma[x]: the padded-HF hidden index kernel lane x holds."""
@@ -46,20 +48,38 @@ def unpad(x: np.ndarray, axis: int, n: int, strict: bool = True) -> np.ndarray:
 def to_kernel(x: np.ndarray, axis: int, Hp: int) -> np.ndarray:
     """HF hidden order (length H) -> kernel lanes (length Hp), C-contiguous.
 
-    One pass: the zero-padded output is allocated as [.., 4, Hp/4, ..] and each lane group is
-    filled from its stride-4 column of the input.
+    One pass: the output is allocated as [.., 4, Hp/4, ..], each lane group is filled from its
+    stride-4 column of the input, and only the padding lanes are zeroed.
     """
     axis %= x.ndim
-    H = x.shape[axis]
-    if H % 4 or Hp % 4 or Hp < H:
-        raise ValueError(f"cannot lay hidden {H} out in {Hp} lanes")
+    H = _check(x.shape[axis], Hp)
     before, after = x.shape[:axis], x.shape[axis + 1:]
-    out = np.zeros(before + (4, Hp // 4) + after, x.dtype)
-    src = x.reshape(before + (H // 4, 4) + after)
+    src = arrays.bits(x).reshape(before + (H // 4, 4) + after)
+    out = np.empty(before + (4, Hp // 4) + after, src.dtype)
     lead = (slice(None),) * axis
+    out[lead + (slice(None), slice(H // 4, None))] = 0
     for g in range(4):
         out[lead + (g, slice(0, H // 4))] = src[lead + (slice(None), g)]
-    return out.reshape(before + (Hp,) + after)
+    return out.reshape(before + (Hp,) + after).view(x.dtype)
+
+
+def to_kernel_t(x: np.ndarray, Hp: int) -> np.ndarray:
+    """[R, H] -> [Hp, R]: ``to_kernel(x.T, 0, Hp)`` in one blocked pass (a weight whose hidden
+    axis is its input: the transpose and the lane shuffle move each element once)."""
+    R, H = x.shape
+    _check(H, Hp)
+    src = arrays.bits(x).reshape(R, H // 4, 4)
+    out = np.empty((4, Hp // 4, R), src.dtype)
+    out[:, H // 4:] = 0
+    for r in range(0, R, arrays.BLOCK_ROWS):
+        out[:, :H // 4, r:r + arrays.BLOCK_ROWS] = src[r:r + arrays.BLOCK_ROWS].transpose(2, 1, 0)
+    return out.reshape(Hp, R).view(x.dtype)
+
+
+def _check(H: int, Hp: int) -> int:
+    if H % 4 or Hp % 4 or Hp < H:
+        raise ValueError(f"cannot lay hidden {H} out in {Hp} lanes")
+    return H
 
 
 def from_kernel(x: np.ndarray, axis: int, H: int, strict: bool = True) -> np.ndarray:

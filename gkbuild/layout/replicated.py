@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, hidden
+from . import hidden
 from .dims import Dims
 
 
@@ -20,7 +20,7 @@ def row_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
 
 def router_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
     """HF router [E, H] bf16 -> [Hp, E] fp16 (exact for |w| in fp16's normal range)."""
-    return hidden.to_kernel(arrays.transpose(w), 0, dims.Hp).astype(np.float16)
+    return hidden.to_kernel_t(w, dims.Hp).astype(np.float16)
 
 
 def router_weights_inverse(dims: Dims, r: np.ndarray, dtype) -> np.ndarray:

@@ -13,14 +13,14 @@ import math
 
 import numpy as np
 
-from . import arrays, hidden
+from . import hidden
 from .dims import Dims
 
 
 def lm_head_t(dims: Dims, v: int, w: np.ndarray) -> np.ndarray:
     """HF lm_head [V, H] (or just its rows of vocab rank v) -> lm_head_weight_t [Hp, V_s], C-contiguous."""
     rows = w[v * dims.V_s:(v + 1) * dims.V_s] if w.shape[0] == dims.V else w
-    return hidden.to_kernel(arrays.transpose(rows), 0, dims.Hp)
+    return hidden.to_kernel_t(rows, dims.Hp)
 
 
 def lm_head_t_inverse(dims: Dims, shards: list[np.ndarray]) -> np.ndarray:

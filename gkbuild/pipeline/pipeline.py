@@ -395,6 +395,13 @@ def refuse_overlap(out: Path, source: Path) -> None:
                       f"folder outside the checkpoint")
 
 
+def default_jobs() -> int:
+    """One worker more than the cores: a worker that ends a shard waits for its last direct
+    writes to reach the disk, and the spare one keeps the cores busy meanwhile (2 cores, 120b
+    shapes: 8.5 s a build against 9.9 s with two workers)."""
+    return (os.cpu_count() or 1) + 1
+
+
 def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
                   quiet: bool = False, compile: bool = True, require_neff: bool = False, cache: str | None = None,
                   cache_push: bool = False) -> BuildResult:
@@ -408,7 +415,7 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
     claim(out)
     with _lock(out), Progress(quiet) as progress:
-        b = _Build(recipe, out, jobs or os.cpu_count() or 1, force, progress)
+        b = _Build(recipe, out, jobs or default_jobs(), force, progress)
         b.resolve()
         b.validate()
         b.plan()
