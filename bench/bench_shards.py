@@ -29,8 +29,9 @@ from _measure import gib, median  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timed(cmd: list[str], **kw) -> tuple[float, float, str]:
-    """(wall, CPU seconds of the process tree, stdout), after a sync (no earlier dirty pages on our clock)."""
+def timed(cmd: list[str], **kw) -> tuple[float, float, str, int]:
+    """(wall, CPU seconds of the process tree, stdout, peak RSS of its largest process in bytes),
+    after a sync (no earlier dirty pages on our clock)."""
     os.sync()
     t = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
@@ -39,7 +40,7 @@ def timed(cmd: list[str], **kw) -> tuple[float, float, str]:
     wall = time.perf_counter() - t
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{cmd} failed")
-    return wall, ru.ru_utime + ru.ru_stime, out
+    return wall, ru.ru_utime + ru.ru_stime, out, ru.ru_maxrss << 10
 
 
 def main() -> None:
@@ -73,23 +74,28 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"),
                        "--out", str(out), "--no-compile", "--json", "--set",
                        f"source=synth://gpt-oss-120b?layers={a.layers}"]
-                wall, cpu, js = timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
+                wall, cpu, js, rss = timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
                 shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
-                res.setdefault(f"{name} {kind}", []).append((wall, cpu, shards))
+                res.setdefault(f"{name} {kind}", []).append((wall, cpu, shards, wall / res["cp"][-1][0], rss))
         loads.append(os.getloadavg()[0])
     outsize = sum(p.stat().st_size for p in (d / "build").rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
     cp_wall, cp_cpu = median([w for w, _ in res["cp"]]), median([c for _, c in res["cp"]])
     print(f"source {gib(size)}, output {gib(outsize)}; medians of {a.repeat} alternating rounds; load average "
           f"(1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}\n")
-    print("| run | wall | ratio to cp | shards stage | CPU s | CPU s / GiB out | CPU s / 2 cores vs cp |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| cp -r + sync | {cp_wall:.2f} s | 1.00x | | {cp_cpu:.1f} | | |")
+    cp_walls = sorted(w for w, _ in res["cp"])
+    print(f"cp -r + sync by round: {', '.join(f'{w:.2f} s' for w, _ in res['cp'])}\n")
+    print("| run | wall | ratio to cp | ratio in each round (min-max) | shards stage | CPU s | CPU s / GiB out "
+          "| CPU s / 2 cores vs cp | peak RSS, largest process |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| cp -r + sync | {cp_wall:.2f} s | 1.00x | {cp_walls[0]:.2f}-{cp_walls[-1]:.2f} s | | {cp_cpu:.1f} "
+          f"| | | |")
     for name, rows in res.items():
         if name == "cp":
             continue
         w, c, s = (median([r[i] for r in rows]) for i in range(3))
-        print(f"| build, {name} | {w:.2f} s | {w / cp_wall:.2f}x | {s:.2f} s | {c:.1f} | {c / (outsize / 2**30):.2f} "
-              f"| {c / 2 / cp_wall:.2f}x |")
+        ratios = sorted(r[3] for r in rows)
+        print(f"| build, {name} | {w:.2f} s | {w / cp_wall:.2f}x | {ratios[0]:.2f}-{ratios[-1]:.2f}x | {s:.2f} s "
+              f"| {c:.1f} | {c / (outsize / 2**30):.2f} | {c / 2 / cp_wall:.2f}x | {gib(max(r[4] for r in rows))} |")
     shutil.rmtree(d, ignore_errors=True)
 
 
