@@ -28,8 +28,9 @@ STAGE = 8 << 20  # per staging buffer: large enough for full-speed device writes
 
 
 def open_direct(path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
-    """os.open with O_DIRECT where the filesystem takes it; (fd, direct?)."""
-    if hasattr(os, "O_DIRECT"):
+    """os.open with O_DIRECT where the filesystem takes it; (fd, direct?). ``GKBUILD_DIRECT_IO=0``
+    turns it off (a network filesystem that does direct I/O as one synchronous RPC a write)."""
+    if hasattr(os, "O_DIRECT") and os.environ.get("GKBUILD_DIRECT_IO", "1") != "0":
         try:
             return os.open(path, flags | os.O_DIRECT, mode), True
         except OSError as e:
@@ -40,10 +41,16 @@ def open_direct(path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
 
 _free: list[mmap.mmap] = []  # staging buffers of finished appenders: a worker writes hundreds of
 # files, and fresh buffers would have every page faulted in and zeroed again for each
+# A forked child starts with none of its parent's: two processes must never stage in one buffer.
+os.register_at_fork(after_in_child=_free.clear)
 
 
 def _take() -> mmap.mmap:
-    return _free.pop() if _free else mmap.mmap(-1, STAGE)  # an anonymous map: page-aligned
+    """A free staging buffer, or a new one: anonymous and private (Python's default anonymous map is
+    shared, which a fork would share with the child), page-aligned as direct I/O wants."""
+    if _free:
+        return _free.pop()
+    return mmap.mmap(-1, STAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:

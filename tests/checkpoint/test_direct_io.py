@@ -65,6 +65,33 @@ def test_a_filesystem_that_refuses_our_alignment_falls_back_to_the_page_cache(tm
     assert p.read_bytes() == data
 
 
+def test_a_forked_child_never_stages_in_its_parents_buffers(tmp_path):
+    """A process that has written a stream holds free staging buffers; a worker forked from it
+    (the build's pool) must not write through them while the parent does."""
+    _append(tmp_path / "first", [b"x"])
+    assert direct_io._free
+    rng = np.random.default_rng(7)
+    mine, theirs = (rng.integers(0, 256, 6 * STAGE, dtype=np.uint8).tobytes() for _ in range(2))
+    pieces = lambda b: [b[i:i + (1 << 20)] for i in range(0, len(b), 1 << 20)]  # noqa: E731
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _append(tmp_path / "child", pieces(theirs))
+        finally:
+            os._exit(0)
+    _append(tmp_path / "parent", pieces(mine))
+    os.waitpid(pid, 0)
+    assert (tmp_path / "parent").read_bytes() == mine
+    assert (tmp_path / "child").read_bytes() == theirs
+
+
+def test_direct_io_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("GKBUILD_DIRECT_IO", "0")
+    data = os.urandom(STAGE + 5)
+    assert _append(tmp_path / "f", [data]) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
 def test_a_failed_write_is_raised_not_swallowed(tmp_path, monkeypatch):
     def broken(fd, buf, pos):
         raise OSError(errno.ENOSPC, "No space left on device")
