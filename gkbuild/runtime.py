@@ -208,6 +208,7 @@ class Build:
         bytes, target and torch version are checked against the manifest (it is native code)."""
         import torch
 
+        from .compile import inductor
         from .pipeline.fingerprint import sha256_file
 
         art = next((a for a in self.manifest["compile"]["artifacts"] if a["name"] == name), None)
@@ -227,6 +228,9 @@ class Build:
                           f"{torch.__version__}")
         if art["target"] == "cuda" and not torch.cuda.is_available():
             raise GkError(f"{p}: refused: built for cuda, and no GPU is available here")
+        why = inductor.cannot_run(inductor.target_of(art["flags"]))
+        if why:
+            raise GkError(f"{p}: refused: native code {why}")
         return torch._inductor.aoti_load_package(str(p))
 
     def layout_doc(self, kind: str) -> dict:

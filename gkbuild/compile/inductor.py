@@ -9,14 +9,16 @@ files. The decode package writes the new token's K/V into the KV buffers it is g
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import platform
 import shutil
 import tempfile
 import warnings
 from importlib import metadata
 from pathlib import Path
 
-from ..errors import GkError
+from ..errors import GkError, shown
 from .signature import Signature
 
 NAME = "torch-aotinductor"
@@ -28,20 +30,79 @@ def compiler() -> dict:
     return {"name": NAME, "version": metadata.version("torch")}
 
 
+# What a program's C++ is compiled for. Inductor's default is the compiling host: -march=native
+# (pytorch/pytorch@cf30153c4c131c8164ee7798e5022d810682e2cb:torch/_inductor/cpp_builder.py:998,
+# _get_cpu_arch_cflags) and the widest vector ISA it has (torch/_inductor/cpu_vec_isa.py:649,
+# pick_vec_isa, when config.cpp.simdlen is None). A program the compile cache or a farm hands to another
+# host could then fault there (compiled on an AVX-512 farm worker, run on an AVX2 build host). On x86-64
+# every program is compiled for x86-64-v3 with 256-bit (AVX2) vectors: config.cpp.march and
+# config.cpp.simdlen (torch/_inductor/config.py:1697, 1687). Elsewhere the defaults stay and the host's
+# CPU features join the flags, so a cached program only goes to a host like the one that compiled it.
+PORTABLE = {"x86_64": ("x86-64-v3", 256)}  # machine -> (-march, vector bits)
+X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # /proc/cpuinfo names
+
+
+def cpu_features() -> set[str]:
+    """This host's CPU feature names (/proc/cpuinfo's 'flags' on x86, 'Features' on ARM); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def code_target() -> dict:
+    """{"machine", "march", and "simdlen" (pinned) or "cpu" (a digest of the host's features)}."""
+    machine = platform.machine()
+    if machine in PORTABLE:
+        march, bits = PORTABLE[machine]
+        return {"machine": machine, "march": march, "simdlen": bits}
+    digest = hashlib.sha256(" ".join(sorted(cpu_features())).encode()).hexdigest()[:16]
+    return {"machine": machine, "march": "native", "cpu": digest}
+
+
 def flags(target: str, batch_sizes: list[int]) -> list[str]:
     """What the compile is told; ``--cpp-dynamic-threads``: the generated kernels take the thread
     count at run time rather than baking in the compiling process's (so a program's bytes do not
-    depend on the host's cores, ``OMP_NUM_THREADS`` or a Ray worker's CPU share)."""
+    depend on the host's cores, ``OMP_NUM_THREADS`` or a Ray worker's CPU share). The rest name the
+    code target (``code_target``), which is part of the compile key."""
     return [f"--device={_device(target)}", f"--dynamic-batch={min(batch_sizes)}..{max(batch_sizes)}",
-            "--package=pt2", "--cpp-dynamic-threads"]
+            "--package=pt2", "--cpp-dynamic-threads", *(f"--{k}={v}" for k, v in code_target().items())]
 
 
 def _device(target: str) -> str:
     return "cuda" if target == "cuda" else "cpu"
 
 
+def cannot_run(t: dict) -> str | None:
+    """Why this host cannot run code compiled for code target ``t`` (``code_target``), or None."""
+    here = platform.machine()
+    if t.get("machine", here) != here:
+        return f"compiled for {shown(t['machine'])}, and this host is {here}"
+    have = cpu_features()
+    missing = [f for f in X86_64_V3 if f not in have] if t.get("march") == "x86-64-v3" and have else []
+    if missing:
+        return f"compiled for x86-64-v3 (AVX2, FMA, BMI2), and this CPU lacks {', '.join(missing)}"
+    if "cpu" in t and t["cpu"] != code_target().get("cpu"):
+        return "compiled with -march=native on a CPU with other features"
+    return None
+
+
+def target_of(flags: list) -> dict:
+    """The code target a program's recorded flags name (empty for a program built before they did)."""
+    pairs = (f[2:].partition("=") for f in flags if isinstance(f, str) and f.startswith("--"))
+    return {k: v for k, _, v in pairs if k in ("machine", "march", "cpu")}
+
+
 def available(target: str) -> str | None:
     """None when this machine can compile for ``target``, else why not."""
+    why = cannot_run(code_target())
+    if why:
+        return f"this host could not run what it compiles: {why}"
     if target != "cuda":
         return None
     import torch
@@ -83,13 +144,19 @@ def build(program, sig: Signature, batch_sizes: list[int], target: str, out: Pat
         staged.parent.mkdir()
         with warnings.catch_warnings(), fixed_cache(key) as cache, \
                 torch._inductor.config.patch({"aot_inductor.enable_line_tables": False,
-                                               "cpp.dynamic_threads": True}):
+                                               "cpp.dynamic_threads": True, **_pinned()}):
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(exported, package_path=str(staged))
             normalize(staged, tmp / f"{out.stem}.pt2", cache)
         os.replace(tmp / f"{out.stem}.pt2", out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pinned() -> dict:
+    """The inductor config that compiles for ``code_target`` (nothing to set where it is the host)."""
+    t = code_target()
+    return {"cpp.march": t["march"], "cpp.simdlen": t["simdlen"]} if "simdlen" in t else {}
 
 
 # Records the archive writer adds itself (from the content, so they are deterministic too).

@@ -71,8 +71,10 @@ def run(job: Job, cache_uri: str, where: str | None = None) -> dict:
         raise GkError(f"{job.recipe_path}: plans no program {job.program} here")
     k = stage.program_keys(p, be, [sig])[sig.key]
     if k != job.key:
+        differ = sorted(set(be.flags[sig.program]) ^ set(job.expect.get("flags") or []))
         raise GkError(f"{job.program}: this host's gkbuild and compiler make compile key {k[:16]}, the planner's "
-                      f"made {job.key[:16]}; run the same gkbuild and compiler versions on both")
+                      f"made {job.key[:16]}; run the same gkbuild and compiler versions on both"
+                      + (f", on the same kind of machine (flags {', '.join(differ)})" if differ else ""))
     with work_folder(k) as work:
         cache = CompileCache(cache_uri, push=True, staging=work / "staging")
         if cache.holds(k, sig.key, job.expect):

@@ -1,7 +1,11 @@
 """The inductor backend: .pt2 programs of the tiny build, compiled once for the module."""
 
 import json
+import platform
+import re
 import shutil
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +40,9 @@ def test_artifacts_and_manifest_entries(built):
         assert a["compiler"] == {"name": "torch-aotinductor", "version": torch.__version__}
         assert "--dynamic-batch=1..4" in a["flags"]
         assert (out / a["path"]).stat().st_size == a["size"] and a["path"] in {f["path"] for f in m["files"]}
+        if platform.machine() == "x86_64":
+            assert {"--machine=x86_64", "--march=x86-64-v3", "--simdlen=256"} <= set(a["flags"])
+            assert _compile_commands(out / a["path"]) == {"-march=x86-64-v3 CPU_CAPABILITY_AVX2"}
     dec = c["artifacts"][0]
     kinds = {i["name"]: i["kind"] for i in dec["inputs"]}
     assert kinds["x"] == "activation" and kinds["block_table_swa"] == "control"
@@ -43,6 +50,34 @@ def test_artifacts_and_manifest_entries(built):
     assert next(i for i in dec["inputs"] if i["name"] == "W_qkv")["file"] == "weights/attn-tp0.safetensors"
     assert dec["inputs"][0]["shape"] == ["batch", 1024] and "in-place" in dec["kv_update"]
     assert run_cli("check", str(out), "-q").returncode == 0
+
+
+def _compile_commands(pt2: Path) -> set[str]:
+    """The ISA each C++ file of a package was compiled for, from the commands inductor leaves in them."""
+    seen = set()
+    with zipfile.ZipFile(pt2) as z:
+        for name in z.namelist():
+            if name.endswith(".cpp"):
+                for line in z.read(name).decode().splitlines():
+                    if line.startswith("// g++") and ".cpp " in line:  # a compile, not the link
+                        march = re.findall(r"-march=\S+", line)
+                        cap = re.findall(r"CPU_CAPABILITY_\w+", line)
+                        seen.add(" ".join(march + cap))
+    return seen
+
+
+def test_a_program_compiled_for_another_machine_is_refused_before_it_is_loaded(built, tmp_path):
+    out, _ = built
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    m = json.loads((b / "manifest.json").read_text())
+    flags = m["compile"]["artifacts"][0]["flags"]
+    m["compile"]["artifacts"][0]["flags"] = [f for f in flags if not f.startswith("--machine=")] + ["--machine=riscv64"]
+    m["build_id"] = mf.build_id(m)
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(GkError, match=rf"decode.pt2: refused: native code compiled for 'riscv64', and this host "
+                                      rf"is {platform.machine()}"):
+        Build.open(b).program("decode")
 
 
 def test_compiled_agrees_with_the_twin(built):

@@ -111,6 +111,18 @@ def test_a_job_refuses_a_key_its_own_gkbuild_would_not_make(tmp_path):
         farm_job.run(replace(j, key="0" * 64), str(tmp_path / "c"))
 
 
+def test_a_job_planned_for_another_kind_of_machine_says_so(tmp_path, monkeypatch):
+    """Planned on an aarch64 host (its own CPU features in the flags), run on this one."""
+    from gkbuild.compile import inductor
+
+    with monkeypatch.context() as m:
+        m.setattr(inductor.platform, "machine", lambda: "aarch64")
+        m.setattr(inductor, "cpu_features", lambda: {"fp", "asimd", "sve"})
+        j = plan([TINY], [ONE_LAYER])[1]
+    with pytest.raises(GkError, match=r"planner's made .*, on the same kind of machine \(flags .*--machine=aarch64"):
+        farm_job.run(j, str(tmp_path / "c"))
+
+
 @pytest.mark.parametrize("bad", ["ray:127.0.0.1", "slurm", "ray://"])
 def test_a_bad_executor_is_one_line(bad, tmp_path):
     r = run_cli("farm", str(TINY), "--cache", str(tmp_path / "c"), "--executor", bad)
