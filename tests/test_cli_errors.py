@@ -32,6 +32,28 @@ def test_a_failing_disk_is_one_line(tmp_path, monkeypatch, capsys, code, text):
     assert not [p for p in out.rglob("*.partial")]  # the writer removed its temporary
 
 
+def test_a_disk_that_fills_mid_shard_is_one_line_naming_the_shard(tmp_path, monkeypatch, capsys):
+    """A write of a shard's bytes fails (the OSError of a write names no file): the line names the shard."""
+    real = os.pwrite
+
+    def full(fd, buf, pos):
+        if "/weights/expert-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buf, pos)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(out), "-q", "--no-compile", "-j", "1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"gkbuild: error: {out}/weights/expert-") and \
+        err.strip().endswith(".safetensors: No space left on device")
+    assert not (out / "manifest.json").exists()
+    assert not [p for p in out.rglob("*.partial")]
+
+
 def test_out_naming_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     with pytest.raises(SystemExit):

@@ -62,9 +62,10 @@ def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:
 class DirectAppender:
     """Append bytes to ``fd`` from file offset 0; ``finish(size)`` writes the rest and sets the size."""
 
-    def __init__(self, fd: int, direct: bool):
+    def __init__(self, fd: int, direct: bool, name: str = ""):
         self.fd = fd
         self.direct = direct
+        self.name = name  # the file an error names (a failed write's OSError carries none)
         self._bufs = [_take(), _take()]
         self._cur = 0
         self._fill = 0  # bytes staged in the current buffer
@@ -99,14 +100,17 @@ class DirectAppender:
     def _write(self, i: int, length: int, pos: int) -> None:
         buf = memoryview(self._bufs[i])[:length]
         try:
-            _pwrite_all(self.fd, buf, pos)
+            try:
+                _pwrite_all(self.fd, buf, pos)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                # The filesystem took O_DIRECT at open but not these writes: through the page cache.
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                _pwrite_all(self.fd, buf, pos)
         except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            # The filesystem took O_DIRECT at open but not these writes: through the page cache.
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self.direct = False
-            _pwrite_all(self.fd, buf, pos)
+            raise OSError(e.errno, e.strerror, self.name) from None
         finally:
             buf.release()
 

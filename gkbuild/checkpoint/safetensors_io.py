@@ -267,9 +267,12 @@ class SafetensorsWriter:
         pos = self._offsets[name] + start * dtypes.dtype(self.specs[name].dtype).itemsize
         self._check_room(name, pos, len(buf))
         nbytes = len(buf)
-        while len(buf):
-            n = os.pwrite(self._fd, buf, pos)
-            buf, pos = buf[n:], pos + n
+        try:
+            while len(buf):
+                n = os.pwrite(self._fd, buf, pos)
+                buf, pos = buf[n:], pos + n
+        except OSError as e:  # a full disk: the error names the file, not just the device
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._count(name, nbytes)
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
@@ -333,7 +336,7 @@ class SafetensorsStream(SafetensorsWriter):
 
     def _open(self) -> int:
         fd, direct = direct_io.open_direct(self.tmp, _CREATE)
-        self._out = direct_io.DirectAppender(fd, direct)
+        self._out = direct_io.DirectAppender(fd, direct, str(self.path))
         self._hash = hashlib.sha256(self.header)
         self._cursor = self._base  # next byte an append writes
         self.sha256: str | None = None
