@@ -83,7 +83,10 @@ def main() -> None:
     print(f"source {gib(size)}, output {gib(outsize)}; medians of {a.repeat} alternating rounds; load average "
           f"(1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}\n")
     cp_walls = sorted(w for w, _ in res["cp"])
-    print(f"cp -r + sync by round: {', '.join(f'{w:.2f} s' for w, _ in res['cp'])}\n")
+    print("wall by round (a slow round shows as itself, not only in a median):")
+    for name, rows in res.items():
+        print(f"  {name}: {', '.join(f'{r[0]:.2f} s' for r in rows)}")
+    print()
     print("| run | wall | ratio to cp | ratio in each round (min-max) | shards stage | CPU s | CPU s / GiB out "
           "| CPU s / 2 cores vs cp | peak RSS, largest process |")
     print("|---|---|---|---|---|---|---|---|---|")
