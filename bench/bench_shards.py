@@ -1,7 +1,8 @@
 """Build speed (issue 21): the 2-layer 120b-shaped build (the shards are nearly all of it) against
 `cp -r` + `sync` of the same source, alternating, in one run; wall and CPU seconds.
 
-Each round: `cp -r SRC COPY && sync`; a build with this tree into a fresh folder (warm: the
+Each round, in an order that starts one run later every round (so no run always follows cp): `cp
+-r SRC COPY && sync`; a build with this tree into a fresh folder (warm: the
 source's fingerprints remembered, as for any hub source or a second recipe on the checkpoint;
 cold: forgotten, so the build also hashes the 5.4 GiB source); with `--baseline DIR`, the same
 builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run.
@@ -59,26 +60,36 @@ def main() -> None:
                     "--out", str(ck)], env=env, check=True)
     size = sum(p.stat().st_size for p in ck.iterdir())
     trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
-    res: dict[str, list] = {"cp": []}
+    res: dict[str, list] = {}
     loads = []
-    for _ in range(a.repeat):
-        shutil.rmtree(d / "copy", ignore_errors=True)
-        res["cp"].append(timed(["sh", "-c", f'cp -r "{ck}" "{d / "copy"}" && sync'])[:2])
-        shutil.rmtree(d / "copy", ignore_errors=True)
-        for name, tree in trees.items():
-            for kind in ("warm", "cold"):
-                out = d / "build"
-                shutil.rmtree(out, ignore_errors=True)
-                if kind == "cold":
-                    (d / "cache" / "fingerprints.json").unlink(missing_ok=True)
-                cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"),
-                       "--out", str(out), "--no-compile", "--json", "--set",
-                       f"source=synth://gpt-oss-120b?layers={a.layers}"]
-                wall, cpu, js, rss = timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
-                shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
-                res.setdefault(f"{name} {kind}", []).append((wall, cpu, shards, wall / res["cp"][-1][0], rss))
-        loads.append(os.getloadavg()[0])
+
+    def build(tree: Path, kind: str, out: Path):
+        if kind == "cold":
+            (d / "cache" / "fingerprints.json").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"),
+               "--out", str(out), "--no-compile", "--json", "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
+        return timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
+
+    build(ROOT, "cold", d / "build")  # untimed: the source's fingerprints, the page cache
     outsize = sum(p.stat().st_size for p in (d / "build").rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
+    runs = ["cp"] + [(name, kind) for name in trees for kind in ("warm", "cold")]
+    for r in range(a.repeat):
+        # Each round starts one run later: no run always comes right after cp (whose writes the
+        # host may still be flushing), and the first warm build has its fingerprints.
+        for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+            shutil.rmtree(d / "copy", ignore_errors=True)
+            shutil.rmtree(d / "build", ignore_errors=True)
+            if run == "cp":
+                wall, cpu, _, _ = timed(["sh", "-c", f'cp -r "{ck}" "{d / "copy"}" && sync'])
+                res.setdefault("cp", []).append((wall, cpu))
+                continue
+            wall, cpu, js, rss = build(trees[run[0]], run[1], d / "build")
+            shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
+            res.setdefault(f"{run[0]} {run[1]}", []).append([wall, cpu, shards, r, rss])
+        loads.append(os.getloadavg()[0])
+    for name, rows in res.items():
+        for row in rows if name != "cp" else []:  # each build's ratio to the cp of its own round
+            row[3] = row[0] / res["cp"][row[3]][0]
     cp_wall, cp_cpu = median([w for w, _ in res["cp"]]), median([c for _, c in res["cp"]])
     print(f"source {gib(size)}, output {gib(outsize)}; medians of {a.repeat} alternating rounds; load average "
           f"(1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}\n")
