@@ -53,10 +53,15 @@ def _take() -> mmap.mmap:
     return mmap.mmap(-1, STAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def _pwrite_all(fd: int, buf: memoryview, pos: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, pos)
-        buf, pos = buf[n:], pos + n
+def pwrite_all(fd: int, buf: memoryview, pos: int, name: str) -> None:
+    """Write all of ``buf`` at ``pos``; a failure (a full disk) raised naming the file ``name``, as a
+    write's own OSError names none."""
+    try:
+        while len(buf):
+            n = os.pwrite(fd, buf, pos)
+            buf, pos = buf[n:], pos + n
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, name) from None
 
 
 class DirectAppender:
@@ -100,17 +105,14 @@ class DirectAppender:
     def _write(self, i: int, length: int, pos: int) -> None:
         buf = memoryview(self._bufs[i])[:length]
         try:
-            try:
-                _pwrite_all(self.fd, buf, pos)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                # The filesystem took O_DIRECT at open but not these writes: through the page cache.
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                self.direct = False
-                _pwrite_all(self.fd, buf, pos)
+            pwrite_all(self.fd, buf, pos, self.name)
         except OSError as e:
-            raise OSError(e.errno, e.strerror, self.name) from None
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            # The filesystem took O_DIRECT at open but not these writes: through the page cache.
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+            pwrite_all(self.fd, buf, pos, self.name)
         finally:
             buf.release()
 

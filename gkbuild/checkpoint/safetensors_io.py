@@ -266,14 +266,8 @@ class SafetensorsWriter:
         buf = self._bytes(name, data)
         pos = self._offsets[name] + start * dtypes.dtype(self.specs[name].dtype).itemsize
         self._check_room(name, pos, len(buf))
-        nbytes = len(buf)
-        try:
-            while len(buf):
-                n = os.pwrite(self._fd, buf, pos)
-                buf, pos = buf[n:], pos + n
-        except OSError as e:  # a full disk: the error names the file, not just the device
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
-        self._count(name, nbytes)
+        direct_io.pwrite_all(self._fd, buf, pos, str(self.path))
+        self._count(name, len(buf))
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
         spec = self.specs[name]
