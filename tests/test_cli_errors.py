@@ -21,15 +21,22 @@ def test_a_failing_disk_is_one_line(tmp_path, monkeypatch, capsys, code, text):
         return real(src, dst, *a, **k)
 
     monkeypatch.setattr(os, "replace", failing)
+    out, err = _failed_build(tmp_path, capsys)
+    assert err.startswith("gkbuild: error: ") and err.strip().endswith(f".safetensors: {text}")
+
+
+def _failed_build(tmp_path, capsys) -> tuple:
+    """Build the tiny model where the disk fails: exit 1, one line and no traceback, no manifest,
+    no partial file (the writer removed its temporary); (the build folder, that line)."""
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(out), "-q", "--no-compile", "-j", "1"])
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert err.startswith("gkbuild: error: ") and err.strip().endswith(f".safetensors: {text}")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (out / "manifest.json").exists()
-    assert not [p for p in out.rglob("*.partial")]  # the writer removed its temporary
+    assert not [p for p in out.rglob("*.partial")]
+    return out, err
 
 
 def test_a_disk_that_fills_mid_shard_is_one_line_naming_the_shard(tmp_path, monkeypatch, capsys):
@@ -42,16 +49,9 @@ def test_a_disk_that_fills_mid_shard_is_one_line_naming_the_shard(tmp_path, monk
         return real(fd, buf, pos)
 
     monkeypatch.setattr(os, "pwrite", full)
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as e:
-        cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(out), "-q", "--no-compile", "-j", "1"])
-    assert e.value.code == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    out, err = _failed_build(tmp_path, capsys)
     assert err.startswith(f"gkbuild: error: {out}/weights/expert-") and \
         err.strip().endswith(".safetensors: No space left on device")
-    assert not (out / "manifest.json").exists()
-    assert not [p for p in out.rglob("*.partial")]
 
 
 def test_out_naming_a_file_is_one_line(tmp_path, capsys):
