@@ -362,7 +362,8 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
 @click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill ranks (the model's kv heads split over them).")
 @click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds every NIXL READ of a prompt set must finish in.")
+              help="Seconds each exchange with the prefill engine may take, waits between messages included: the "
+                   "handshake, its prefill of a prompt set, the NIXL READs, the release of its blocks.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
