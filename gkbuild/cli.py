@@ -403,7 +403,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
             raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
                           "give --golden or no prompts")
         check_prefill(engine)  # before a prefill process is started
-        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
+        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout, steps) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
     dicts = [r.to_dict() for r in reports]
     if report_dir is not None:

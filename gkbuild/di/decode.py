@@ -93,23 +93,28 @@ def pool_blocks(prompts: int, length: int, block: int, window: int) -> int:
 
 
 @contextmanager
-def serving(build_dir, tp: int, golden_file, prompts: int | None, timeout: float):
+def serving(build_dir, tp: int, golden_file, prompts: int | None, timeout: float, steps: int):
     """A prefill engine for a verify of ``build_dir`` (the CLI's ``--prefill nixl``): yields the
     ``Prefill`` to pass to ``verify.run`` and the prompt lengths to run: the golden's, or
-    ``covering_lengths`` of the build's block and window."""
+    ``covering_lengths`` of the build's block and window. A run the build's KV budget cannot hold
+    (``steps`` after the longest prompt) is refused before the process starts."""
     from ..golden import Golden
+    from ..kernels.driver import check_run
     from ..runtime import Build
 
     build = Build.open(build_dir)
     try:
         m = build.manifest
         block, window = m["layout"]["kv"]["block_size"], m["model"]["sliding_window"]
+        batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
         if golden_file is not None:
             g = Golden.load(golden_file)
-            count, lengths = g.token_ids.shape[0], [g.prompt_len]
+            count, lengths, positions = g.token_ids.shape[0], [g.prompt_len], g.token_ids.shape[1]
         else:
-            count = prompts or min(4, max(m["recipe"]["resolved"]["decode"]["batch_sizes"]))
+            count = prompts or min(4, batch)
             lengths = covering_lengths(block, window)
+            positions = max(lengths) + steps
+        check_run(m, build.kv_layout(), batch, positions)  # before a prefill process is started
         args = prefill_args(build, tp, pool_blocks(count, max(lengths), block, window))
     finally:
         build.close()

@@ -24,7 +24,7 @@ from gkbuild.kernels.driver import Session
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.runtime import Build
 from tests.conftest import RECIPES, run_cli
-from tests.di.fake_prefill import MARGIN, fake_prefill
+from tests.di.fake_prefill import MARGIN, fake_prefill, scripted
 from tests.di.faults import CATALOGUE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -255,6 +255,31 @@ def test_a_plan_that_reads_part_of_a_block_fails_before_any_transfer(builds, gol
                             "of the 384 its 3 full blocks hold after 11 prefilled positions; nothing was transferred; "
                             "no decode step ran")
     assert not posted and not no_steps
+
+
+def test_a_run_past_the_kv_budget_is_refused_before_any_work(builds, tmp_path, monkeypatch):
+    """Paired draws a layer pair's sliding blocks apart from its full ones: a DI verify of 40 steps
+    after prompts of 15 (55 positions) needs 8 sequences x (14 full + 3 sliding: the window's 2
+    and the one being taken) = 136 blocks of the paired build's 96. Refused with the numbers
+    before a golden is computed, a prefill process started or the peer reached."""
+    import gkbuild.golden
+
+    computed, started = [], []
+    monkeypatch.setattr(gkbuild.golden, "for_checkpoint", lambda *a, **k: computed.append(1))
+    monkeypatch.setattr(di_decode, "prefill_process", lambda *a, **k: started.append(1))
+    want = ("the build's KV budget is too small for this run: 8 sequences a DP replica over 55 positions need 136 "
+            "blocks of 4 in the paired form, the build has kv_cache.num_blocks 96; run fewer positions or rebuild with "
+            "kv_cache.num_blocks >= 136")
+    with scripted(tmp_path, []) as (endpoint, log):
+        with pytest.raises(GkError) as e:
+            verify.run(builds["paired-fp8"], steps=40, prompt_len=15, prefill=Prefill(endpoint=endpoint))
+        assert str(e.value) == want
+        assert log.read_text() == ""  # never connected
+    with pytest.raises(GkError) as e:  # the command line's own prefill engine: never started
+        with di_decode.serving(builds["paired-fp8"], 4, None, None, 5, steps=40):
+            pass
+    assert str(e.value) == want
+    assert not computed and not started
 
 
 def test_without_nixl_verify_says_what_to_install(builds, monkeypatch, tmp_path):
