@@ -51,8 +51,8 @@ NO_STEP = "; no decode step ran"
 class Prefill:
     """How ``verify`` gets its KV: a prefill engine of ``tp`` ranks, the one listening at
     ``endpoint`` (host, port) or one started for the run; ``edit`` changes the transfer plan
-    before it is used (a test's faulty plan); ``timeout``: seconds every READ of a request must
-    finish in."""
+    before it is used (a test's faulty plan); ``timeout``: seconds each exchange with the engine
+    (handshake, prefill, the READs of a request, release) must finish in."""
 
     tp: int = 4
     endpoint: tuple[str, int] | None = None
