@@ -362,7 +362,8 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
 @click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill ranks (the model's kv heads split over them).")
 @click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds every NIXL READ of a prompt set must finish in.")
+              help="Seconds each exchange with the prefill engine may take, waits between messages included: the "
+                   "handshake, its prefill of a prompt set, the NIXL READs, the release of its blocks.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -402,7 +403,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
             raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
                           "give --golden or no prompts")
         check_prefill(engine)  # before a prefill process is started
-        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
+        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout, steps) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
     dicts = [r.to_dict() for r in reports]
     if report_dir is not None:

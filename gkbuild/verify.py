@@ -320,6 +320,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
 
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     fmt = build_kv(m)
+    if golden is None and not texts:  # the run's length is known: refuse one the build cannot hold before any work
+        from .kernels.driver import check_run
+
+        check_run(m, build.kv_layout(), batch, prompt_len + steps)
     if golden is None:
         g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet)
     else:

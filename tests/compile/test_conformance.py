@@ -403,7 +403,7 @@ def test_paired_layers_share_entries_at_four_layers(fake_sdk, tmp_path, goldens)
     out = tmp_path / "b"
     compile_build(r, out=out, quiet=True, require_neff=True)
     dec = _outputs(out, "decode-b128")
-    assert dec[1][0] == [2, 80, 1, 2, 32, 2] and dec[2][0] == [2, 80, 1, 4, 32]
+    assert dec[1][0] == [2, 96, 1, 2, 32, 2] and dec[2][0] == [2, 96, 1, 4, 32]
     rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out)), ck))
     assert rep.ok and rep.kv == "tight", rep.to_dict()
 
