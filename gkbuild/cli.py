@@ -150,13 +150,14 @@ def plan(recipe_path, overrides, as_json, show_compile):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    verdicts = []
     if p.recipe.backend == "neuron":
-        from .compile.conformance import isa_refusal
-        from .progress import warn
+        from .compile import rules
 
-        why = isa_refusal(p.recipe)
+        verdicts = rules.plan_verdicts(p)
+        why = rules.refusal(verdicts)
         if why:
-            warn(f"the {p.recipe.target} NEFFs of this plan will not compile: {why}")
+            raise GkError(f"{recipe_path}: {why}")
     compile_lines = []
     if show_compile:
         from .compile.stage import invocations
@@ -166,10 +167,14 @@ def plan(recipe_path, overrides, as_json, show_compile):
         j = p.to_json()
         if show_compile:
             j["compile"] = compile_lines
+        if verdicts:
+            j["verdicts"] = [v.to_dict() for v in verdicts]
         click.echo(json.dumps(j, indent=2))
         return
     for t in plan_tables(p):
         out.print(t)
+    for v in verdicts:
+        click.echo(f"verdict {v.program}: {v.short()}")
     for line in compile_lines:
         click.echo(line)
 
@@ -858,9 +863,14 @@ def _print_farm(rep: dict, list_only: bool) -> None:
 
 @cli.command("recipe-doc")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def recipe_doc(as_json):
+@click.option("--matrix", is_flag=True, help="Print the support matrix instead: target x KV dtype/packing x form x "
+                                             "experts, judged by the compiler's documented rules before any trace.")
+def recipe_doc(as_json, matrix):
     """Every recipe.yaml key with its default and meaning, then every kernel switch of each kernel
-    revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to."""
+    revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to.
+    --matrix: what the published kernels compile, refuse (the rule) or leave to `gkbuild doctor`."""
+    if matrix:
+        return _print_matrix(as_json)
     from .compile.switches import switch_table
     from .recipe import schema_doc
 
@@ -884,6 +894,26 @@ def recipe_doc(as_json):
             s.add_row(e["name"], e["read"] + (f" (default {e['default']!r})" if e["default"] is not None else ""),
                       repr(e["value"]), e["numerics"], e["effect"])
         out.print(s)
+
+
+def _print_matrix(as_json: bool) -> None:
+    from .compile.rules import RULES, matrix
+
+    rows = matrix()
+    if as_json:
+        click.echo(json.dumps({"rules": {k: vars(r) for k, r in RULES.items()}, "matrix": rows}, indent=2))
+        return
+    t = Table(title="support matrix of the published kernels (decode; the tail compiles on both targets)",
+              title_justify="left")
+    for c in ("target", "KV", "form", "experts", "verdict", "rule", "why / what decides it"):
+        t.add_column(c)
+    for r in rows:
+        why = r["line"] if r["status"] != "unknown" else f"gkbuild doctor: {r['doctor']}; {r['line']}"
+        t.add_row(r["target"], r["kv"], r["form"], r["experts"], r["status"], r["rule"] or "",
+                  escape("; ".join(filter(None, [why, *r["notes"]]))))
+    out.print(t)
+    for k, r in RULES.items():
+        click.echo(f"{k}: {r.says} ({r.source})")
 
 
 def main(argv=None) -> None:

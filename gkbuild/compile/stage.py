@@ -23,7 +23,7 @@ from ..paths import inside
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, conformance, inductor, neff, neuron, signature
+from . import cache as compile_cache, inductor, neff, neuron, rules, signature
 
 OUT = "compiled"
 KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
@@ -88,12 +88,16 @@ def prepare(plan, be: Backend) -> Backend:
         return be
     from ..checkpoint.source import cache_root
 
-    why = conformance.isa_refusal(plan.recipe)
+    _refuse(plan)  # what gkbuild knows of the revision: before the checkout
+    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
+    _refuse(plan, {p: d[0] for p, d in done.items()})  # the checkout's own declarations: before any trace
+    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
+
+
+def _refuse(plan, roots: dict | None = None) -> None:
+    why = rules.refusal(rules.plan_verdicts(plan, roots=roots))
     if why:
         raise GkError(f"{plan.recipe.target}: {why}")
-
-    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
-    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
 
 
 def program_keys(plan, be: Backend, sigs) -> dict[str, str]:
@@ -155,7 +159,7 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        why = conformance.isa_refusal(r) if r.backend == "neuron" else None
+        why = rules.refusal(rules.plan_verdicts(plan)) if r.backend == "neuron" else None
         if why:
             warn(f"and they would not compile: {why}")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
