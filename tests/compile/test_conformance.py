@@ -391,7 +391,7 @@ def test_the_published_decode_on_trn2_is_refused_before_anything_is_traced(fake_
     from gkbuild.compile import stage
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stage, "_refuse", lambda plan, roots=None: None)
+        mp.setattr(stage, "_refuse", lambda plan, profile, roots=None: None)
         with pytest.raises(GkError, match=r"^decode-b128: the decode kernel refused its arguments: RuntimeError: "
                                           r"nc_matmul_mx is available only on NeuronCore-v4 and newer; target trn2"):
             compile_build(_recipe([], libraries=True), out=tmp_path / "c", quiet=True, require_neff=True)

@@ -4,6 +4,8 @@
   nki.language.float8_e4m3.html: ``nki.language.float8_e4m3 = 'float8_e4m3'``; the others alike).
 - ``ndarray(shape, dtype, buffer=None)`` (nki.language.ndarray) declares a tensor: the fake records each
   FP8 type a trace declares, for the compiler's NCC_EOCP001 check (``torch_neuronx.trace``).
+- ``load``, ``add``, ``store`` (nki.language.load/add/store): ``store`` into an argument is an
+  in-place update.
 - ``presented(t)`` is the fake's own seam, NOT an NKI API: the dtype an ``nki.jit`` kernel sees for a
   torch tensor argument. AWS does not document it for the MX types (gkbuild doctor item mx_carrier);
   ``GK_FAKE_MX_CARRIER`` (uint16 | float4_e2m1fn_x2, default uint16) names the torch dtype presented as
@@ -36,6 +38,21 @@ def ndarray(shape, dtype, buffer=None, name=""):
     t = torch.zeros(tuple(shape), dtype=torch.float32).as_subclass(_Declared)
     t.nki_dtype = dtype
     return t
+
+
+def load(src):
+    """nki.language.load(src): an argument's values."""
+    return src.tensor.clone()
+
+
+def add(x, y):
+    """nki.language.add(x, y)."""
+    return x + y
+
+
+def store(dst, value):
+    """nki.language.store(dst, value): ``value`` written into ``dst`` (an array a kernel was given)."""
+    dst.tensor.copy_(getattr(value, "tensor", value))
 
 
 def presented(t) -> str:
