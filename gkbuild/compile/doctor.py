@@ -155,7 +155,8 @@ def _saturation(plain: dict | None, env: dict | None) -> tuple[dict, str | None]
         return _item("fp8_saturation", a, "saturates only " + a, ev,
                      "the manifest asks the runtime to set NEURON_RT_ENABLE_OCP_SATURATION=1"), a
     return _item("fp8_saturation", "inf", "overflows to inf", ev,
-                 "packed K beyond 240 becomes inf on this device: keep |K| * k_scale <= 240; verify flags it"), "inf"
+                 "packed K beyond 240 becomes inf on this device: a packed-FP8 build warns to keep |K| * k_scale "
+                 "within 240"), "inf"
 
 
 def _switches(recipe_path: Path | None) -> dict:

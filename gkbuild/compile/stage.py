@@ -167,6 +167,9 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
             warn(f"and they would not compile: {why}")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries, **_profile(be)}, k, "skipped", skipped
+    if hostprofile.answers(be.profile).get("fp8_saturation") == "inf" and r.kv_cache.dtype == "fp8" and r.kv_cache.packed:
+        warn(f"host profile {be.profile['file']}: this device turns packed K beyond 240 into inf (doctor "
+             f"fp8_saturation); keep |K| * k_scale within 240 (verify names a departure)")
     be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set
     # re-verified: an artifact edited since it was compiled is compiled (or restored) again
     cached = state.stages.get("compile") == k and all(
