@@ -222,6 +222,12 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     r = load(recipe_path, overrides)
     if host_profile is not None:
         r.compile.host_profile = str(host_profile.resolve())
+    if r.compile.host_profile:  # checked before anything is written
+        from .compile import hostprofile
+
+        if r.backend != "neuron":
+            raise GkError(f"compile.host_profile: a gkbuild doctor profile is for trn2/trn3 builds, not {r.target}")
+        hostprofile.of(r)
     res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                         require_neff=require_neff, cache=cache or None, cache_push=cache_push)
     if as_json:

@@ -46,9 +46,12 @@ def load(path: Path, target: str) -> dict:
     is wrong otherwise."""
     from ..jsonio import read_bounded, loads
 
-    raw = read_bounded(Path(path), MAX_BYTES, f"host profile {path}")
-    doc = loads(raw, f"host profile {path}")
     where = f"host profile {path}"
+    try:
+        raw = read_bounded(Path(path), MAX_BYTES, where)
+    except OSError as e:
+        raise GkError(f"{where}: {e.strerror or e}") from None
+    doc = loads(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise GkError(f"{where}: not a gkbuild doctor report (format {FORMAT!r}); write one with gkbuild doctor")
     if doc.get("target") != target:

@@ -215,3 +215,21 @@ def test_a_build_follows_its_host_profile(fake_sdk, tmp_path, monkeypatch):
                                                                    "neff_location")},
                      "tail-b128": {"neff_location": "graph.neff"}}
     assert "doctor answers relied on" in run_cli("inspect", str(tmp_path / "p")).stdout
+
+
+def test_plan_and_compile_read_the_profile_first(tmp_path):
+    """The recipe key and --host-profile: plan judges with the profile's answers; a missing profile or
+    one for a cpu build is one line before anything is written."""
+    recipe = str(RECIPES / "gpt-oss-120b-trn3.yaml")
+    other = _profile(tmp_path, "other", **OTHER_ANSWERS)
+    r = run_cli("plan", recipe, "--set", f"compile.host_profile={other}")
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("gkbuild: error")]
+    assert r.returncode == 1 and len(err) == 1 and "refused by NCC_EOCP001" in err[0], r.stderr
+    r = run_cli("plan", recipe, "--json", "--set", f"compile.host_profile={_profile(tmp_path, 'd', **DEFAULT_ANSWERS)}")
+    assert [v["status"] for v in json.loads(r.stdout)["verdicts"]] == ["compiles", "compiles"]
+    r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "target=trn3", "--out",
+                str(tmp_path / "o"), "-q", "--host-profile", str(tmp_path / "none.json"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "none.json: No such file" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+    r = run_cli("compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(tmp_path / "o"), "-q", "--host-profile", str(other))
+    assert r.returncode == 1 and "is for trn2/trn3 builds, not cpu" in r.stderr and not (tmp_path / "o").exists()
