@@ -888,7 +888,7 @@ def doctor(target, kernels_recipe, report_dir, as_json):
     device when one is present, else trace-only. Needs the Neuron SDK."""
     from .compile import doctor as dr
 
-    rep = dr.run(target, kernels_recipe)
+    rep = dr.run(target, kernels_recipe, quiet=as_json)
     if report_dir is not None:
         dr.write(rep, report_dir)
     if as_json:
@@ -949,8 +949,8 @@ def _print_matrix(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"rules": {k: vars(r) for k, r in RULES.items()}, "matrix": rows}, indent=2))
         return
-    t = Table(title="support matrix of the published kernels (decode; the tail compiles on both targets)",
-              title_justify="left")
+    t = Table(title="support matrix of the published kernels: the decode program (the tail takes no FP8 or MX "
+                    "argument)", title_justify="left")
     for c in ("target", "KV", "form", "experts", "verdict", "rule", "why / what decides it"):
         t.add_column(c)
     for r in rows:

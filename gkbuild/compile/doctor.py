@@ -103,7 +103,8 @@ def _mixing(res: dict) -> tuple[dict, str | None]:
         return _item("e4m3_mixing", "refused", "refused", m["error"],
                      "plan and compile refuse packed FP8 K next to e4m3fn (NCC_EOCP001); kv_cache.packed: false "
                      "avoids it"), "refused"
-    return _item("e4m3_mixing", None, "unknown", m["error"], "unchecked: the build tries and the compiler decides"), None
+    return (_item("e4m3_mixing", None, "unknown", m["error"], "unchecked: the build tries and the compiler decides"),
+            None)
 
 
 def _aliases(res: dict, device: bool) -> tuple[dict, str | None]:
@@ -140,7 +141,8 @@ def _neff(res: dict) -> tuple[dict, str | None]:
 def _saturation(plain: dict | None, env: dict | None) -> tuple[dict, str | None]:
     if plain is None:
         return _item("fp8_saturation", None, "unknown (trace-only: needs a device)", "no device to run on",
-                     "unchecked: the twin saturates packed K at 240, as the published update's e4m3 view suggests"), None
+                     "unchecked: the twin saturates packed K at 240, as the published update's e4m3 view "
+                     "suggests"), None
 
     def saturates(vals):
         return vals is not None and all(isinstance(v, float) and abs(v) <= 240 for v in vals)
@@ -179,21 +181,30 @@ def _switches(recipe_path: Path | None) -> dict:
         lines.append(f"{program} ({rec['library']}): {len(names)} switches")
         fp8 += [f"{d.type} {d.site}" for d in rules.declarations(root, rec["entry"])]
     answer = "matches recipe-doc" if not extra else f"reads {len(extra)} switch(es) gkbuild does not know"
-    ev = "; ".join(lines + ([f"unknown to recipe-doc and gkbuild's catalogue: {', '.join(sorted(extra))}"] if extra else [])
+    unknown = [f"unknown to recipe-doc and gkbuild's catalogue: {', '.join(sorted(extra))}"] if extra else []
+    ev = "; ".join(lines + unknown
                    + ([f"FP8 types declared: {', '.join(fp8)}"] if fp8 else []))
     return _item("switches", answer, answer, ev, "every switch is set explicitly; one recipe-doc does not list is kept "
                                                  "on the reference path and shown as numerics 'unknown'")
 
 
-def run(target: str, kernels: Path | None = None) -> dict:
+def run(target: str, kernels: Path | None = None, quiet: bool = False) -> dict:
     """The doctor report: the host, every item, and the profile."""
+    from ..progress import note
+
     why = neuron.sdk()
     if why:
         raise GkError(f"gkbuild doctor: {why}; run it on a Trainium host (pip install 'gkbuild[neuron]')")
     with tempfile.TemporaryDirectory(prefix="gkbuild-doctor-") as tmp:
+        note(f"doctor: compiling the probe kernels for {target} (each a neuronx-cc compile)", quiet)
         res = _probe(target, Path(tmp) / "a", {})
         device = res["device"]["present"]
+        if device:
+            note("doctor: a NeuronCore is present; running the saturation probe with NEURON_RT_ENABLE_OCP_SATURATION=1",
+                 quiet)
         env = _probe(target, Path(tmp) / "b", {"NEURON_RT_ENABLE_OCP_SATURATION": "1"}, "saturation") if device else {}
+    if kernels is not None:
+        note(f"doctor: checking out and scanning {kernels}'s kernel libraries", quiet)
     items, profile = _mx(res)
     for fn in (lambda: _mixing(res), lambda: _aliases(res, device), lambda: _neff(res),
                lambda: _saturation(res.get("saturation"), env.get("saturation"))):

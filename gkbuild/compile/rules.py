@@ -59,7 +59,7 @@ PUBLISHED = {repo: (("float8_e4m3", "attention_block_tkg.py:_k_update_fp8_packed
                     ("float8_e4m3fn_x4", "moe_block_tkg_utils.py:parse_moe_block_config"))
              for repo in ("aws-neuron/nki-library", "baonudesifeizhai/nki-library")}
 # A declaration in one of these functions counts only for the programs that reach it.
-WHEN = {"_k_update_fp8_packed": ("packed", "packed FP8 K"), "parse_moe_block_config": ("mx", "the MX MoE")}
+WHEN = {"_k_update_fp8_packed": "packed", "parse_moe_block_config": "mx"}  # function -> the fact it needs
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class Decl:
     function: str | None
 
     def applies(self, facts: dict) -> bool:
-        cond = WHEN.get(self.function or "")
-        return cond is None or facts[cond[0]]
+        fact = WHEN.get(self.function or "")
+        return fact is None or facts[fact]
 
 
 @dataclass
@@ -132,7 +132,7 @@ def declarations(root: Path, entry: str) -> list[Decl]:
             continue
         seen.add(path)
         rel = path.relative_to(root).as_posix()
-        tree = ast.parse(interface._text(path), rel)  # noqa: SLF001 - the bounded reader of kernel sources
+        tree = interface._tree(interface._text(path), rel)  # noqa: SLF001 - the bounded, one-line-error reader
         todo += _imports(tree, mod, path.name == "__init__.py")
         parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
         for node in ast.walk(tree):
@@ -245,7 +245,8 @@ def refusal(verdicts: list[Verdict]) -> str | None:
 
 
 # -- the support matrix ----------------------------------------------------------------------------------
-KV_FORMS = {"bf16": ["kv_cache.dtype=bf16", "kv_cache.packed=false"], "fp8": ["kv_cache.dtype=fp8", "kv_cache.packed=false"],
+KV_FORMS = {"bf16": ["kv_cache.dtype=bf16", "kv_cache.packed=false"],
+            "fp8": ["kv_cache.dtype=fp8", "kv_cache.packed=false"],
             "fp8 packed": ["kv_cache.dtype=fp8", "kv_cache.packed=true"]}
 
 

@@ -162,12 +162,13 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(be.profile))) if r.backend == "neuron" else None
+        why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(be.profile))) if be.name == "neuron" else None
         if why:
             warn(f"and they would not compile: {why}")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries, **_profile(be)}, k, "skipped", skipped
-    if hostprofile.answers(be.profile).get("fp8_saturation") == "inf" and r.kv_cache.dtype == "fp8" and r.kv_cache.packed:
+    overflows = hostprofile.answers(be.profile).get("fp8_saturation") == "inf"
+    if overflows and r.kv_cache.dtype == "fp8" and r.kv_cache.packed:
         warn(f"host profile {be.profile['file']}: this device turns packed K beyond 240 into inf (doctor "
              f"fp8_saturation); keep |K| * k_scale within 240 (verify names a departure)")
     be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set

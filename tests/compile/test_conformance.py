@@ -452,11 +452,12 @@ def test_what_the_held_out_run_found_fails_here(fake_sdk, tmp_path):
             k: v for k, v in orig_env(rec, target, base).items()
             if not k.startswith("VLLM_NEURON_MEGA_") or k == switches.KV_UPDATE})
         with pytest.raises(GkError, match=r"SCALE_PACK64: gate/up scale must be \[E_L, 2, 64, H/512, I/4\]"):
-            compile_build(_recipe(["kv_cache.form=paired"], libraries=True), out=tmp_path / "sp", quiet=True,
-                          require_neff=True)
+            compile_build(_recipe(["target=trn3", "kv_cache.form=paired"], libraries=True), out=tmp_path / "sp",
+                          quiet=True, require_neff=True)
     # ... and a recipe asking for it is refused before anything is traced
     with pytest.raises(GkError, match=r"VLLM_NEURON_MEGA_SCALE_PACK64=1 read the gate/up MX scales as"):
-        compile_build(_recipe(["kv_cache.form=paired", "compile.kernel_switches=[VLLM_NEURON_MEGA_SCALE_PACK64=1]"],
+        compile_build(_recipe(["target=trn3", "kv_cache.form=paired",
+                               "compile.kernel_switches=[VLLM_NEURON_MEGA_SCALE_PACK64=1]"],
                               libraries=True), out=tmp_path / "sp2", quiet=True, require_neff=True)
     # 4. without cpu_backend a NeuronCore is needed: the device mode says so in one line
     with pytest.raises(GkError, match=r"torch_neuronx.trace failed: RuntimeError: no Neuron device found"):
