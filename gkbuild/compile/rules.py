@@ -50,9 +50,11 @@ RULES = {r.id: r for r in (
 )}
 
 # The FP8/MX types the published decode revisions' reachable code declares, read from their published
-# text (not in this repository; each interface pins the decode file's sha256): the packed-K update
-# writes through ``TensorView(...).reinterpret_cast(nl.float8_e4m3)``; the MoE decides "MX or not" by
-# ``dtype in (nl.float4_e2m1fn_x4, nl.float8_e4m3fn_x4)``. F calls the same blocks. Decode only: the
+# text (not in this repository: sites by function; each interface pins the decode file's sha256): the
+# packed-K update writes through ``TensorView(...).reinterpret_cast(nl.float8_e4m3)``; the MoE takes
+# its experts as MX when their dtype is in ``_MX_SUPPORTED_DTYPES = (nl.float4_e2m1fn_x4,
+# nl.float8_e4m3fn_x4)`` (moe_block_tkg_utils.py, parse_moe_block_config) and quantizes its activations
+# into ``nl.ndarray(..., dtype=nl.float8_e4m3fn_x4)``. F calls the same blocks. Decode only: the
 # tail's are read from its checkout.
 PUBLISHED = {repo: (("float8_e4m3", "attention_block_tkg.py:_k_update_fp8_packed"),
                     ("float4_e2m1fn_x4", "moe_block_tkg_utils.py:parse_moe_block_config"),
@@ -120,9 +122,22 @@ def _imports(tree: ast.Module, module: str, is_pkg: bool) -> list[str]:
     return out
 
 
+def _declares(node: ast.Attribute, parents: dict) -> bool:
+    """``nl.<type>`` given to a call (``nl.ndarray(..., dtype=nl.T)``, ``reinterpret_cast(nl.T)``, or in a
+    tuple/list argument): a tensor of that type. A mention elsewhere (a size table's key, a module-level
+    tuple a dtype is tested against) declares nothing."""
+    up = parents.get(node)
+    if isinstance(up, (ast.Tuple, ast.List)):
+        up = parents.get(up)
+    if isinstance(up, ast.keyword):
+        up = parents.get(up)
+    return isinstance(up, ast.Call) and up.func is not node
+
+
 def declarations(root: Path, entry: str) -> list[Decl]:
-    """The FP8/MX types (``nl.<type>`` attributes) declared in the code reachable from ``entry``'s
-    module through imports inside the checkout, each with file:line and its enclosing function."""
+    """The FP8/MX types a tensor is declared with (``_declares``) in the code reachable from
+    ``entry``'s module through imports inside the checkout, each with file:line and its enclosing
+    function."""
     roots = [Path(p) for p in kernel_source.import_roots(Path(root))]
     todo, seen, out = [entry.partition(":")[0]], set(), []
     while todo:
@@ -136,7 +151,7 @@ def declarations(root: Path, entry: str) -> list[Decl]:
         todo += _imports(tree, mod, path.name == "__init__.py")
         parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in FP8_TYPES:
+            if isinstance(node, ast.Attribute) and node.attr in FP8_TYPES and _declares(node, parents):
                 up = parents.get(node)
                 while up is not None and not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     up = parents.get(up)

@@ -91,21 +91,21 @@ def test_the_scan_follows_imports_from_the_entry_and_names_each_site(tmp_path):
     pkg = tmp_path / "lib" / "src" / "nkilib_src" / "nkilib" / "k"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "entry.py").write_text("import nki.language as nl\nfrom .sub.att import upd\nfrom . import moe\n"
-                                  "X = nl.float8_e4m3fn\n")
+                                  "X = nl.ndarray((1,), dtype=nl.float8_e4m3fn)\n")
     (pkg / "sub" / "att.py").write_text("import nki.language as nl\n\n\ndef _k_update_fp8_packed(v):\n"
                                         "    return v.reinterpret_cast(nl.float8_e4m3)\n\n\ndef upd():\n    pass\n")
-    (pkg / "moe.py").write_text("import nki.language as nl\n\n\ndef parse_moe_block_config(d):\n"
-                                "    return d in (nl.float4_e2m1fn_x4, nl.float8_e4m3fn_x4)\n")
-    (pkg / "unreached.py").write_text("import nki.language as nl\nY = nl.float8_e4m3\n")
+    (pkg / "moe.py").write_text("import nki.language as nl\nSIZES = {nl.float8_e4m3: 1}  # a mention, not a tensor\n"
+                                "MX = (nl.float4_e2m1fn_x4,)\n\n\ndef parse_moe_block_config(d):\n"
+                                "    return d in MX, nl.ndarray((1,), dtype=nl.float8_e4m3fn_x4)\n")
+    (pkg / "unreached.py").write_text("import nki.language as nl\nY = nl.ndarray((1,), dtype=nl.float8_e4m3)\n")
     got = {(d.type, d.site, d.function) for d in rules.declarations(tmp_path / "lib", "nkilib.k.entry:f")}
     root = "src/nkilib_src/nkilib/k"
     assert got == {("float8_e4m3fn", f"{root}/entry.py:4", None),
                    ("float8_e4m3", f"{root}/sub/att.py:5", "_k_update_fp8_packed"),
-                   ("float4_e2m1fn_x4", f"{root}/moe.py:5", "parse_moe_block_config"),
-                   ("float8_e4m3fn_x4", f"{root}/moe.py:5", "parse_moe_block_config")}
+                   ("float8_e4m3fn_x4", f"{root}/moe.py:7", "parse_moe_block_config")}
     facts = {"packed": False, "mx": True}
     assert [d.type for d in rules.declarations(tmp_path / "lib", "nkilib.k.entry:f") if d.applies(facts)] == [
-        "float8_e4m3fn", "float4_e2m1fn_x4", "float8_e4m3fn_x4"]
+        "float8_e4m3fn", "float8_e4m3fn_x4"]
 
 
 @pytest.mark.parametrize("library", ["A", "F"])
