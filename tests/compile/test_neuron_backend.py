@@ -159,12 +159,12 @@ def test_trace_environment_sets_every_switch_the_revision_reads():
 
 
 def test_show_compile_prints_every_program_of_every_batch_size():
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--show-compile", "--set",
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--show-compile", "--set",
                 "decode.batch_sizes=[128, 256]")
     lines = [line for line in r.stdout.splitlines() if "torch_neuronx.trace" in line]
     assert r.returncode == 0 and len(lines) == 4, r.stderr
     assert ["decode-b128.neff" in lines[0], "tail-b128.neff" in lines[1], "decode-b256.neff" in lines[2]] == [True] * 3
-    assert "--lnc=1" in lines[0] and shlex.split(lines[0])[0] == "NEURON_PLATFORM_TARGET_OVERRIDE=trn2"
+    assert "--lnc=1" in lines[0] and shlex.split(lines[0])[0] == "NEURON_PLATFORM_TARGET_OVERRIDE=trn3"
     r = run_cli("plan", str(RECIPES / "tiny-cpu.yaml"), "--show-compile", "--json")
     assert "aoti_compile_and_package" in json.loads(r.stdout)["compile"][0]
 
