@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import GkError
+from .errors import GkError, printable
+from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
 
@@ -250,7 +251,7 @@ def check(build_dir, quiet):
     with bar("check", sum(f["size"] for f in m["files"]), quiet) as advance:
         found = problems(build_dir, advance)
     for p in found:
-        click.echo(p)
+        click.echo(printable(p))  # a file's name is the folder's, not ours: shown, never obeyed
     if found:
         raise GkError(f"{build_dir}: {len(found)} problem(s) against the manifest")
     note(f"ok: {len(m['files'])} files match the manifest (build {m['build_id'][:16]})", quiet)
@@ -441,7 +442,8 @@ def _print_verify(rep) -> None:
         for c in ("seq", "prompt", "reference", "build", "agree"):
             t.add_column(c, justify="right" if c in ("seq", "agree") else "left", overflow="fold")
         for i, x in enumerate(rep.texts):
-            t.add_row(str(i), x["prompt"], x["reference"], x["build"], f"{x['agree']}/{x['length']}")
+            t.add_row(str(i), *(printable(x[k]) for k in ("prompt", "reference", "build")),
+                      f"{x['agree']}/{x['length']}")
         out.print(t, markup=False)
     tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
@@ -713,6 +715,39 @@ def cache_prune(store, keep):
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
 
+@cli.command()
+@click.argument("store", metavar="STORE")
+@click.option("--clear", "names", multiple=True, metavar="LEASE",
+              help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
+                   "one that still blocks prunes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the leases as JSON.")
+def leases(store, names, as_json):
+    """The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress holds one,
+    and while one is live `publish --prune` and `cache prune` delete no blob. A lease counts until
+    its expiry, and never longer than the lease time plus the allowed clock skew after the store
+    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
+    one now: only when its publish is known to be dead (its blobs would be pruned under it)."""
+    import time
+
+    from .publish import leases as ls
+    from .publish.stores import open_store
+
+    st = open_store(store)
+    if names:
+        for n in ls.clear(st, list(names)):
+            note(f"removed {n}", as_json)
+    now = time.time()
+    held = ls.leases(st)
+    if as_json:
+        click.echo(json.dumps([{"name": h.name, "record": h.doc, "until": h.until, "live": h.until > now,
+                                "problem": h.problem} for h in held], indent=1))
+        return
+    for h in held:
+        note(("live: " if h.until > now else "expired: ") + h.describe(now))
+    if not held:
+        note(f"{st.uri}: no leases")
+
+
 @cli.group()
 def di():
     """Disaggregated inference: how a prefill engine's KV reaches a build's cache over NIXL."""
@@ -794,7 +829,8 @@ def _print_di_plan(plan: dict) -> None:
 @_set_option
 @click.option("--vary", multiple=True, metavar="KEY=[V1, V2]",
               help="Plan every recipe once per value of KEY (a YAML list), e.g. --vary "
-                   "'decode.batch_sizes=[[1], [8]]'; several --vary options cross.")
+                   f"'decode.batch_sizes=[[1], [8]]'; several --vary options cross (at most {MAX_PLANS} plans: "
+                   "recipes x values; more is refused before planning).")
 @click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", required=True,
               help="The compile cache the jobs push to (folder, hf://ORG/NAME, s3://BUCKET/PREFIX); env "
                    "GKBUILD_COMPILE_CACHE.")
@@ -852,7 +888,7 @@ def _print_farm(rep: dict, list_only: bool) -> None:
         status = j["status"] + (f": {j['error']}" if j.get("error") else "")
         ran = () if list_only else (j["where"], f"{j['seconds']:.1f}")
         t.add_row(j["key"][:16], j["program"], j["batch_size"], j["target"], ", ".join(j["recipes"]), *ran,
-                  f"[{colors[j['status']]}]{escape(status)}[/]")
+                  f"[{colors[j['status']]}]{escape(printable(status))}[/]")
     out.print(t)
 
 
@@ -892,13 +928,13 @@ def main(argv=None) -> None:
             stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
-    except GkError as e:
-        click.echo(f"gkbuild: error: {e}", err=True)
+    except GkError as e:  # its text may hold a peer's or a file's: printed escaped, never obeyed
+        click.echo(f"gkbuild: error: {printable(str(e))}", err=True)
         sys.exit(1)
     except OSError as e:  # a full disk, a read-only file system, a folder where a file should be...
         from .errors import os_error
 
-        click.echo(f"gkbuild: error: {os_error(e)}", err=True)
+        click.echo(f"gkbuild: error: {printable(os_error(e))}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("gkbuild: interrupted", err=True)

@@ -8,6 +8,19 @@ _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
 _SHORT.maxlevel = 3
 
 
+# Characters a terminal obeys rather than shows: C0 controls but newline and tab, DEL, C1 controls
+# (ESC starts an ANSI sequence; 0x9b is a one-byte CSI), and the Unicode bidi overrides that reorder
+# what follows them.
+_OBEYED = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+_OBEYED.update({c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def printable(text: str) -> str:
+    """``text`` as it may reach a terminal: what a peer, a store or a file supplied (an error
+    message, a name) has its control characters shown escaped (``\\x1b``), never obeyed."""
+    return text.translate(_OBEYED)
+
+
 class GkError(Exception):
     """A user-facing failure: bad input, a missing file, an impossible recipe.
 

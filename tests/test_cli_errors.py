@@ -60,3 +60,45 @@ def test_out_naming_a_file_is_one_line(tmp_path, capsys):
         cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(tmp_path / "f"), "-q"])
     assert "f: exists and is not a folder" in capsys.readouterr().err
     assert (tmp_path / "f").read_text() == "x"
+
+
+ANSI = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"  # clear screen, set the title, a C1 CSI, a bidi override
+
+
+def test_a_peers_error_text_reaches_the_terminal_escaped(monkeypatch, capsys):
+    """A fake prefill peer on 127.0.0.1 answers with an error whose text holds terminal escapes:
+    the line gkbuild prints shows them, it does not send them."""
+    import click
+
+    from gkbuild.di.decode import Peer
+    from tests.di.test_wire import _frame, _serve
+
+    @click.group()
+    def group():
+        pass
+
+    @group.command()
+    def connect():
+        Peer(_serve([_frame({"op": "error", "message": f"prefill: {ANSI}boom"})]))
+
+    monkeypatch.setattr(cli, "cli", group)  # main() prints what the command raised, as for any command
+    with pytest.raises(SystemExit) as e:
+        cli.main(["connect"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "boom" in err
+    assert not any(c in err for c in "\x1b\x07\x9b\u202e")
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e" in err
+
+
+def test_a_file_name_and_a_warning_reach_the_terminal_escaped(build, capsys):
+    """check prints the names of files it finds; a warning quotes a store's or a file's text."""
+    from gkbuild.progress import warn
+
+    (build / f"x{ANSI}y").write_text("planted")
+    with pytest.raises(SystemExit):
+        cli.main(["check", str(build), "-q"])
+    out = capsys.readouterr()
+    assert "extra: x\\x1b[2J" in out.out and not any(c in out.out + out.err for c in "\x1b\x07\x9b\u202e")
+    warn(f"a store said {ANSI}[bold]hi[/bold]")
+    err = capsys.readouterr().err
+    assert "\\x1b[2J" in err and "[bold]hi[/bold]" in err and "\x1b[2J" not in err

@@ -19,7 +19,7 @@ from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
 from ..progress import bar, warn
 from . import codec, index, signing
-from .leases import Lease, expired, others_alive
+from .leases import Lease, blocked, expired, others_alive
 from .parallel import run_each
 from .stores import live_blobs, open_store
 
@@ -142,9 +142,7 @@ def prune_store(store, lease: Lease) -> int:
     nothing while another publish holds a live lease. How many files it removed."""
     others = others_alive(store, lease.name)
     if others:
-        o = others[0]
-        warn(f"{store.uri}: {len(others)} other publish(es) in progress ({o.get('owner', '?')[:12]} on "
-             f"{o.get('host', '?')}); blobs not pruned (run --prune again later)")
+        warn(blocked(store, others, "blobs"))
         return 0
     keep = live_blobs(store, store.read_index())
     dead = sorted(n for n in store.stored() if n not in keep) + store.temporaries()

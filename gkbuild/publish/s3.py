@@ -89,15 +89,24 @@ class S3Store:
             with f:
                 yield f
 
-    def list(self, folder: str) -> dict[str, int]:
-        """Objects under ``folder`` (one level): name relative to the prefix -> size."""
+    def _objects(self, folder: str) -> dict[str, dict]:
+        """Objects under ``folder`` (one level): name relative to the prefix -> s3fs's details."""
         with self._errors():
             try:
                 found = self.fs.ls(self.ref.path(folder), detail=True)
             except FileNotFoundError:
                 return {}
         cut = len(self.ref.path(""))
-        return {e["name"][cut:]: e["size"] for e in found if e.get("type") == "file"}
+        return {e["name"][cut:]: e for e in found if e.get("type") == "file"}
+
+    def list(self, folder: str) -> dict[str, int]:
+        """Objects under ``folder`` (one level): name -> size."""
+        return {n: e["size"] for n, e in self._objects(folder).items()}
+
+    def modified(self, folder: str) -> dict[str, float]:
+        """When each object under ``folder`` was last written (S3's LastModified: the server's clock)."""
+        return {n: e["LastModified"].timestamp() for n, e in self._objects(folder).items()
+                if hasattr(e.get("LastModified"), "timestamp")}
 
     def stored(self) -> dict[str, int]:
         return {k: v for k, v in self.list("blobs").items() if is_blob(k)}

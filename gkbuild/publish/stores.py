@@ -183,13 +183,19 @@ class DirStore:
             tmp.unlink(missing_ok=True)
         fsync_dir(final.parent)
 
+    def _files(self, folder: str) -> list[os.DirEntry]:
+        """Plain files in ``folder`` (one level), dot names (temporaries) left out."""
+        d = self._at(f"{folder}/x").parent
+        return [e for e in os.scandir(d) if e.is_file(follow_symlinks=False) and not e.name.startswith(".")] \
+            if d.is_dir() else []
+
     def list(self, folder: str) -> dict[str, int]:
         """Plain files in ``folder`` (one level): store-relative name -> size."""
-        d = self._at(f"{folder}/x").parent
-        if not d.is_dir():
-            return {}
-        return {f"{folder}/{e.name}": e.stat().st_size for e in os.scandir(d)
-                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+        return {f"{folder}/{e.name}": e.stat().st_size for e in self._files(folder)}
+
+    def modified(self, folder: str) -> dict[str, float]:
+        """When each plain file in ``folder`` was last written (seconds since the epoch)."""
+        return {f"{folder}/{e.name}": e.stat().st_mtime for e in self._files(folder)}
 
     def delete(self, names: list[str]) -> None:
         for n in names:

@@ -183,3 +183,17 @@ def test_cli_publish_fetch_and_diff_through_s3(built, bucket, tmp_path):
     r = run_cli("fetch", f"s3://{bucket}/none", "--to", str(tmp_path / "e"))
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"gkbuild: error: s3://{bucket}/none: no publish.json (not a gkbuild store, or nothing published there yet)"]
+
+
+def test_an_s3_lease_dated_far_ahead_is_bounded_by_when_the_server_wrote_it(bucket):
+    import json
+    import time
+
+    from gkbuild.publish.leases import SKEW, TTL, leases
+
+    store = S3Store(s3.parse(f"s3://{bucket}/st"))
+    name = f"leases/{'a' * 32}.json"
+    store.put(name, json.dumps({"owner": "a" * 32, "host": "h", "pid": 1, "expires": time.time() + 1e9}).encode())
+    (held,) = leases(store)
+    written = store.modified("leases")[name]
+    assert abs(written - time.time()) < 120 and held.until == written + TTL + SKEW and "beyond" in held.problem
