@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import GkError, printable
+from .errors import GkError, printable, shown
 from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
@@ -489,6 +489,9 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     with zstd where that pays, content the store already holds skipped, then the publish index
     written in one step (one commit on the hub), so nobody sees half a build.
 
+    A store holds the build published last: publishing another replaces it (and says so); of two
+    publishes at once, the second to commit is refused.
+
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
       gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
@@ -507,7 +510,10 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     what = ("already published: nothing uploaded" if rep["already"] else
             f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
             f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
-    note(f"{what}; build {rep['build_id'][:16]}", quiet)
+    old = rep.get("replaced")
+    note(f"{what}; build {rep['build_id'][:16]}" + (f"; it replaces build {shown(old['name'])} {str(old['build_id'])[:16]} "
+                                                     f"(a store holds the build published last; the old one's blobs "
+                                                     f"stay until --prune)" if old else ""), quiet)
 
 
 def _trust_options(f):

@@ -1,5 +1,6 @@
 """The one error type a user sees: a single line naming what is wrong."""
 
+import contextlib
 import reprlib
 
 _SHORT = reprlib.Repr()
@@ -41,3 +42,15 @@ def os_error(e: OSError) -> str:
     """An OSError as one line naming the file: ``PATH: No space left on device``."""
     names = [str(n) for n in (e.filename, e.filename2) if n is not None]
     return f"{' -> '.join(names) or 'gkbuild'}: {e.strerror or e}"
+
+
+@contextlib.contextmanager
+def naming(path):
+    """An OSError raised inside that names no file (a write's own: a full disk, a quota) raised
+    again naming ``path``, so the one line printed says which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import collections
 import hashlib
 import json
 import math
@@ -266,6 +267,12 @@ class Recipe:
         bs = self.decode.batch_sizes
         if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
             bad("decode.batch_sizes", bs, "expected a non-empty list of positive integers")
+        if len(bs) > MAX_BATCH_SIZES:
+            bad("decode.batch_sizes", bs, f"at most {MAX_BATCH_SIZES} batch sizes (on trn each is a program to "
+                                          f"compile), not {len(bs)}")
+        twice = next((b for b, n in collections.Counter(bs).items() if n > 1), None)
+        if twice is not None:
+            bad("decode.batch_sizes", twice, "each batch size once (this one is given more than once)")
         for b in bs:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
@@ -345,6 +352,7 @@ LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cach
 # FP8 dequant scales: far outside this, a fold overflows or flushes bf16 weights.
 SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
+MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
 
 
 class _Loader(yaml.SafeLoader):

@@ -74,7 +74,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "files": len(files),
               "uploaded_files": 0, "uploaded_bytes": 0, "raw_bytes": sum(f["size"] for f in files), "entries": []}
     sig_sha = hashlib.sha256(signed[0]).hexdigest() if signed else None
-    if (prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys()
+    if (prev is not None and prev.get("build_id") == m["build_id"] and index.blobs(prev) <= stored.keys()
             and not store.verifies_blobs and prev.get("signature", {}).get("sha256") == sig_sha):
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
@@ -131,6 +131,8 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
                           f"this publish is visible: run it again")
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
     report.update(already=False, entries=idx["files"], where=store.commit(index.dumps(idx), added, message))
+    if prev is not None and prev.get("build_id") != m["build_id"]:  # a store holds one build: the last published
+        report["replaced"] = {"name": prev.get("name"), "build_id": prev.get("build_id")}
     if prune and lease:
         report["pruned"] = prune_store(store, lease)
     return report

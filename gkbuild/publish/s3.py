@@ -19,7 +19,7 @@ from typing import BinaryIO, Iterator
 from .. import s3
 from ..errors import GkError
 from .index import NAME, is_blob
-from .stores import MAX_INDEX, refuse_foreign
+from .stores import MAX_INDEX, raced, refuse_foreign
 
 READ_BLOCK = 16 << 20  # bytes a ranged GET asks for while a blob streams
 
@@ -152,7 +152,6 @@ class S3Store:
             with self._errors():
                 etag = s3.put(self.fs, self.ref, NAME, index, create=self.etag is None, etag=self.etag)
         except s3.Conflict:
-            raise GkError(f"{self.uri}: another publish committed since this one read the index; nothing of this "
-                          f"publish is visible (its blobs stay for the next try): run it again") from None
+            raise GkError(raced(self.uri)) from None
         self.etag = etag
         return f"{self.uri}/{NAME} (ETag {etag.strip(chr(34))})"

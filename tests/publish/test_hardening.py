@@ -169,3 +169,27 @@ def test_a_malformed_or_far_future_lease_is_named_blocks_for_a_bounded_time_and_
     cleared = run_cli("leases", str(s), "--clear", f"leases/{bad.name}")
     assert cleared.returncode == 0 and not bad.exists() and (s / index.NAME).exists()
     assert "no leases" in run_cli("leases", str(s)).stderr
+
+
+def test_of_two_publishes_to_one_folder_the_second_to_commit_is_refused_and_a_replacement_is_said(built, build,
+                                                                                               tmp_path, monkeypatch):
+    from gkbuild.publish.stores import DirStore
+
+    s = tmp_path / "s"
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=64"]), out=build, quiet=True, compile=False)
+    real = DirStore.commit
+
+    def raced(self, *a):  # another publish commits between this one's reading the index and its commit
+        monkeypatch.setattr(DirStore, "commit", real)
+        publish(built, str(s), quiet=True)
+        return real(self, *a)
+
+    monkeypatch.setattr(DirStore, "commit", raced)
+    with pytest.raises(GkError, match="another publish committed since this one read the index; nothing of this "
+                                      "publish is visible"):
+        publish(build, str(s), quiet=True)
+    assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(built)["build_id"]  # the first commit stands
+    r = run_cli("publish", str(build), "--to", str(s))  # now over the index it reads: it replaces the build, and says so
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0 and f"it replaces build 'tiny-cpu' {mf.load(built)['build_id'][:16]} " in said
+    assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(build)["build_id"]
