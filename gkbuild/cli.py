@@ -490,7 +490,8 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     written in one step (one commit on the hub), so nobody sees half a build.
 
     A store holds the build published last: publishing another replaces it (and says so); of two
-    publishes at once, the second to commit is refused.
+    publishes at once, the second to commit is refused. Without --sign, a signature beside the
+    manifest is published only if it is over exactly this manifest and provenance.
 
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
@@ -578,10 +579,15 @@ def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
 @click.argument("ref", metavar="BUILD|SRC")
 @_trust_options
 @click.option("--json", "as_json", is_flag=True, help="Print what the signature and provenance say as JSON.")
-def verify_signature(ref, trust, trust_issuer, as_json):
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def verify_signature(ref, trust, trust_issuer, as_json, quiet):
     """Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
-    one of the --trust keys or identities, without fetching any file: the signature must cover
-    exactly its manifest and provenance. Prints who signed it and what the provenance says."""
+    one of the --trust keys or identities: the signature must cover exactly its manifest and
+    provenance. Prints who signed it and what the provenance says.
+
+    A build folder's files are then checked against the signed manifest (hashed, or hashed before
+    on this host for this same manifest): a file changed since signing fails. A store's files are
+    not read (nothing is fetched): `gkbuild fetch SRC --trust ...` checks each one as it arrives."""
     from .pipeline import manifest as mf
     from .publish import signing
     from .publish.fetch import read_manifest, read_signed
@@ -590,20 +596,31 @@ def verify_signature(ref, trust, trust_issuer, as_json):
     if not trust:
         raise GkError("verify-signature: give at least one --trust KEY.pub or identity")
     trusted = signing.trust_list(trust, trust_issuer)
+    files = None
     if "://" not in ref and (Path(ref) / mf.NAME).exists():
-        man_bytes = mf.read_bytes(Path(ref))
-        m, signed = mf.parse(man_bytes, f"{ref}/{mf.NAME}"), signing.read_folder(Path(ref))
+        from .runtime import Build
+
+        build = Build.open(Path(ref), trust=trusted)  # the signature, over exactly this manifest, first
+        m, v = build.manifest, build.signature
+        try:
+            with bar("files", sum(f["size"] for f in m["files"]), quiet or as_json) as advance:
+                files = build.verify_files(advance)
+        except GkError as e:
+            raise GkError(f"{ref}: the signature is good, but a file is not what it signed: {e}") from None
+        finally:
+            build.close()
     else:
         store = open_store(ref)
         idx, m, man_bytes = read_manifest(store)
-        signed = read_signed(store, idx)
-    v = signing.verify(man_bytes, signed, trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
-    d = signing.describe(v)
+        v = signing.verify(man_bytes, read_signed(store, idx), trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
+    d = {**signing.describe(v), "files_checked": files}
     if as_json:
         click.echo(json.dumps(d, indent=1))
         return
+    what = (f"its {files} files match the signed manifest" if files is not None else
+            "the store's files were not read: gkbuild fetch checks each against this manifest")
     note(f"ok: build {m['name']} {m['build_id'][:16]} is signed by {d['signed_by']}; built by {d['builder']} "
-         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]})", False)
+         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]}); {what}", False)
 
 
 @cli.command()

@@ -49,14 +49,21 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     """Publish ``build_dir`` to ``dest`` (a folder, ``hf://org/name[@branch]`` or ``s3://``); returns a
     report. ``sign``: a private key's PEM file, or ``sigstore`` (keyless, CI's OIDC identity): the
     signature and provenance go beside the manifest, in the build folder and in the store. Without
-    it, a signature the build folder already has is published as it is (a fetch verifies it)."""
+    it, a signature the build folder already has is published if it is over exactly this manifest
+    and its provenance (who signed it, a fetch with --trust checks); else it is left out, with a
+    warning."""
     build_dir = Path(build_dir)
     man_bytes = mf.read_bytes(build_dir)
     m = mf.parse(man_bytes, str(build_dir / mf.NAME))
     if sign:
         prov = signing.dumps(signing.provenance(m, man_bytes))
         signing.write_folder(build_dir, (signing.sign(man_bytes, prov, sign), prov))
-    built = (build_dir, man_bytes, m, signing.read_folder(build_dir))
+    signed = signing.read_folder(build_dir)
+    why = signing.mismatch(man_bytes, signed) if signed is not None else None
+    if why:  # a signature carried in from elsewhere: never published beside a manifest it does not sign
+        warn(f"{build_dir / SIGNATURE}: {why}; publishing the build unsigned (sign it with --sign)")
+        signed = None
+    built = (build_dir, man_bytes, m, signed)
     store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
     if not store.leases:
         return _publish(built, store, level, jobs, prune, quiet, None)
