@@ -512,9 +512,9 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
             f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
             f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
     old = rep.get("replaced")
-    note(f"{what}; build {rep['build_id'][:16]}" + (f"; it replaces build {shown(old['name'])} {str(old['build_id'])[:16]} "
-                                                     f"(a store holds the build published last; the old one's blobs "
-                                                     f"stay until --prune)" if old else ""), quiet)
+    replaced = (f"; it replaces build {shown(old['name'])} {str(old['build_id'])[:16]} (a store holds the build "
+                f"published last; the old one's blobs stay until --prune)") if old else ""
+    note(f"{what}; build {rep['build_id'][:16]}{replaced}", quiet)
 
 
 def _trust_options(f):
@@ -612,7 +612,8 @@ def verify_signature(ref, trust, trust_issuer, as_json, quiet):
     else:
         store = open_store(ref)
         idx, m, man_bytes = read_manifest(store)
-        v = signing.verify(man_bytes, read_signed(store, idx), trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
+        v = signing.verify(man_bytes, read_signed(store, idx), trusted,
+                           f"{ref} (build {m['name']} {m['build_id'][:16]})")
     d = {**signing.describe(v), "files_checked": files}
     if as_json:
         click.echo(json.dumps(d, indent=1))

@@ -93,7 +93,8 @@ def _small_report(layers: int = 2, positions: int = 3) -> dict:
     """The fields the plots read, for a 2-layer build: few enough layers that matplotlib's own
     ticks would be fractional (0, 0.25, 0.5...)."""
     return {"position_errors": [[0.01 * (i + 1)] * positions for i in range(2)],
-            "layer_errors": [1e-3] * layers, "layer_local_errors": [1e-4] * layers, "layer_local_median": [1e-6] * layers,
+            "layer_errors": [1e-3] * layers, "layer_local_errors": [1e-4] * layers,
+            "layer_local_median": [1e-6] * layers,
             "experts": {"worst_by_layer": [1e-7] * layers, "tolerance": 1e-4, "routed_by_layer": [3] * layers,
                         "checked": 8 * layers},
             "blame_threshold": 1e-2, "blame_threshold_median": 1e-4, "first_bad_layer": 1,
@@ -106,9 +107,9 @@ def test_layer_and_position_axes_have_whole_ticks_and_legends_sit_outside_the_da
     from gkbuild import report
 
     figs = report.plots(_small_report())
-    assert [c for c, _ in figs] == ["max |logit error| by sequence and position", "hidden-state relative error by layer",
-                                    "top-k agreement by position", "router margin and forced routings by layer",
-                                    "routing coverage by layer"]
+    assert [c for c, _ in figs] == ["max |logit error| by sequence and position",
+                                    "hidden-state relative error by layer", "top-k agreement by position",
+                                    "router margin and forced routings by layer", "routing coverage by layer"]
     counted = legends = 0
     for caption, fig in figs:
         fig.canvas.draw()

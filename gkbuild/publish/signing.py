@@ -108,7 +108,8 @@ def _supported(key, where: str) -> None:
         return
     kinds = {ec.EllipticCurvePublicKey: f"an elliptic-curve key on {getattr(getattr(pub, 'curve', None), 'name', '?')}",
              rsa.RSAPublicKey: "an RSA key",
-             ed25519.Ed25519PublicKey: "an Ed25519 key", ed448.Ed448PublicKey: "an Ed448 key", dsa.DSAPublicKey: "a DSA key"}
+             ed25519.Ed25519PublicKey: "an Ed25519 key", ed448.Ed448PublicKey: "an Ed448 key",
+             dsa.DSAPublicKey: "a DSA key"}
     kind = next((k for t, k in kinds.items() if isinstance(pub, t)), f"a {type(pub).__name__}")
     raise GkError(f"{where}: {kind}; model-signing signs and verifies with elliptic-curve keys on P-256, P-384 or "
                   f"P-521 only (or keyless, with a Sigstore identity)")

@@ -144,7 +144,8 @@ def test_a_malformed_or_far_future_lease_is_named_blocks_for_a_bounded_time_and_
     orphan = s / "blobs" / f"{'0' * 64}.raw"  # a blob no index names: what a prune removes
     orphan.write_text("old")
     far = s / "leases" / f"{'f' * 32}.json"  # a publish from a clock years ahead, or a hand
-    far.write_text(json.dumps({"owner": "f" * 32, "host": "skewed", "pid": 7, "expires": time.time() + 10 * 365 * 86400}))
+    years = 10 * 365 * 86400
+    far.write_text(json.dumps({"owner": "f" * 32, "host": "skewed", "pid": 7, "expires": time.time() + years}))
     bad = s / "leases" / f"{'b' * 32}.json"
     bad.write_text("{not json")
     capsys.readouterr()
@@ -154,7 +155,8 @@ def test_a_malformed_or_far_future_lease_is_named_blocks_for_a_bounded_time_and_
     assert "2 publish(es) in progress hold a lease, leases/bbbb" in err and "malformed" in err
     assert f"gkbuild leases {s} --clear leases/{'b' * 32}.json" in err
     r = run_cli("cache", "prune", str(s))  # the compile cache's prune says why it removed nothing, too
-    assert r.returncode == 0 and "blobs not pruned: 2 publish(es) in progress hold a lease" in " ".join(r.stderr.split())
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0 and "blobs not pruned: 2 publish(es) in progress hold a lease" in said
     held = {h["name"]: h for h in json.loads(run_cli("leases", str(s), "--json").stdout)}
     assert held[f"leases/{far.name}"]["live"] and "beyond any lease" in held[f"leases/{far.name}"]["problem"]
     assert held[f"leases/{far.name}"]["until"] <= time.time() + TTL + SKEW  # bounded by when it was written
@@ -189,7 +191,7 @@ def test_of_two_publishes_to_one_folder_the_second_to_commit_is_refused_and_a_re
                                       "publish is visible"):
         publish(build, str(s), quiet=True)
     assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(built)["build_id"]  # the first commit stands
-    r = run_cli("publish", str(build), "--to", str(s))  # now over the index it reads: it replaces the build, and says so
+    r = run_cli("publish", str(build), "--to", str(s))  # over the index it reads: replaces the build, says so
     said = " ".join(r.stderr.split())
     assert r.returncode == 0 and f"it replaces build 'tiny-cpu' {mf.load(built)['build_id'][:16]} " in said
     assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(build)["build_id"]

@@ -347,7 +347,8 @@ def test_keys_model_signing_cannot_use_are_refused_in_one_line(build, tmp_path, 
          "ed25519": ed25519.Ed25519PrivateKey.generate,
          "secp256k1": lambda: ec.generate_private_key(ec.SECP256K1())}[kind]()
     pub, pem = tmp_path / "k.pub", tmp_path / "k.pem"
-    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM,
+                                                serialization.PublicFormat.SubjectPublicKeyInfo))
     pem.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption()))
     said = {"rsa": "an RSA key", "ed25519": "an Ed25519 key", "secp256k1": "an elliptic-curve key on secp256k1"}[kind]
