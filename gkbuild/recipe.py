@@ -353,14 +353,16 @@ LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cach
 SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
 MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
+MAX_NODES = 4096  # YAML values in a recipe (or a --set / --vary value)
 
 
 class _Loader(yaml.SafeLoader):
     """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes), nested at
-    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), and without duplicate
-    keys (the last one would win silently)."""
+    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), of at most ``MAX_NODES``
+    values (a recipe holds a few dozen; 100,000 list items took seconds to parse, then to plan),
+    and without duplicate keys (the last one would win silently)."""
 
-    depth = 0
+    depth = nodes = 0
 
     def compose_node(self, parent, index):
         ev = self.peek_event()
@@ -369,6 +371,9 @@ class _Loader(yaml.SafeLoader):
                           f"allowed in a recipe")
         if self.depth >= MAX_DEPTH:
             raise GkError(f"line {ev.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise GkError(f"line {ev.start_mark.line + 1}: more than {MAX_NODES} values; a recipe holds a few dozen")
         self.depth += 1
         try:
             return super().compose_node(parent, index)

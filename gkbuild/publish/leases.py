@@ -75,11 +75,11 @@ class Held:
 
     def describe(self, now: float) -> str:
         d = self.doc or {}
-        who = f"owner {str(d.get('owner', '?'))[:12]} on {shown(d.get('host', '?'))} pid {shown(d.get('pid', '?'))}" \
-            if self.doc else "unreadable"
         left = self.until - now
-        when = f"expires in {left / 60:.0f} min" if left > 0 else f"expired {-left / 60:.0f} min ago"
-        return f"{self.name} ({who}; {when}{'; ' + self.problem if self.problem else ''})"
+        said = [f"owner {str(d.get('owner', '?'))[:12]} on {shown(d.get('host', '?'))} pid {shown(d.get('pid', '?'))}"
+                if self.doc else None, f"expires in {left / 60:.0f} min" if left > 0 else
+                f"expired {-left / 60:.0f} min ago", self.problem]
+        return f"{self.name} ({'; '.join(s for s in said if s)})"
 
 
 def leases(store) -> list[Held]:
