@@ -94,8 +94,8 @@ def _load_public_key(p: Path):
 
 
 # What model-signing 1.1.1 signs and verifies with a key: elliptic-curve keys on these curves only
-# (model_signing/_signing/sign_ec_key.py:36-51, _check_supported_ec_key; its Signer and Verifier
-# both call it, :97 and :160). RSA, Ed25519 and other curves it cannot use at all.
+# (model-signing 1.1.1, model_signing/_signing/sign_ec_key.py:36-51, _check_supported_ec_key; its
+# Signer and Verifier both call it, :97 and :159). RSA, Ed25519 and other curves it cannot use.
 CURVES = ("secp256r1", "secp384r1", "secp521r1")
 
 
@@ -104,13 +104,14 @@ def _supported(key, where: str) -> None:
     from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
 
     pub = key.public_key() if hasattr(key, "public_key") else key
-    if isinstance(pub, ec.EllipticCurvePublicKey) and pub.curve.name in CURVES:
-        return
-    kinds = {ec.EllipticCurvePublicKey: f"an elliptic-curve key on {getattr(getattr(pub, 'curve', None), 'name', '?')}",
-             rsa.RSAPublicKey: "an RSA key",
-             ed25519.Ed25519PublicKey: "an Ed25519 key", ed448.Ed448PublicKey: "an Ed448 key",
-             dsa.DSAPublicKey: "a DSA key"}
-    kind = next((k for t, k in kinds.items() if isinstance(pub, t)), f"a {type(pub).__name__}")
+    if isinstance(pub, ec.EllipticCurvePublicKey):
+        if pub.curve.name in CURVES:
+            return
+        kind = f"an elliptic-curve key on {pub.curve.name}"
+    else:
+        kinds = {rsa.RSAPublicKey: "an RSA key", ed25519.Ed25519PublicKey: "an Ed25519 key",
+                 ed448.Ed448PublicKey: "an Ed448 key", dsa.DSAPublicKey: "a DSA key"}
+        kind = next((k for t, k in kinds.items() if isinstance(pub, t)), f"a {type(pub).__name__}")
     raise GkError(f"{where}: {kind}; model-signing signs and verifies with elliptic-curve keys on P-256, P-384 or "
                   f"P-521 only (or keyless, with a Sigstore identity)")
 
@@ -279,8 +280,8 @@ def mismatch(manifest: bytes, signed: tuple[bytes, bytes]) -> str | None:
     provenance (None: it is). What the signed statement lists is checked, not who signed it: that
     takes a trusted key or identity (``verify``), which a publish does not have.
 
-    model-signing's statement (model_signing/_signing/signing.py:169-250, ``Payload``; read back by
-    ``dsse_payload_to_manifest``, :74): the Sigstore bundle's ``dsseEnvelope.payload`` is an in-toto
+    model-signing 1.1.1's statement (model_signing/_signing/signing.py:169-252, ``Payload``; read
+    back by ``dsse_payload_to_manifest``, :74-126): the Sigstore bundle's ``dsseEnvelope.payload`` is an in-toto
     statement (base64) whose ``predicate.resources`` list every signed file's ``name`` and sha256
     ``digest``."""
     import base64
