@@ -22,6 +22,12 @@ if not out.is_terminal:  # piped or captured: tables keep their columns instead 
     out = Console(width=160)
 
 
+def _cell(text) -> str:
+    """A table cell of text a file, a store or a peer supplied: shown as it is (no rich markup, no
+    control characters obeyed)."""
+    return escape(printable(str(text)))
+
+
 def _parse_size(text: str) -> int:
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
     t = text.strip().lower()
@@ -644,7 +650,8 @@ def diff(a, b, as_json):
 
 
 def _print_diff(d: dict) -> None:
-    out.print(f"A: {d['a']['name']} build {d['a']['build_id'][:16]}\nB: {d['b']['name']} build {d['b']['build_id'][:16]}")
+    out.print(f"A: {_cell(d['a']['name'])} build {d['a']['build_id'][:16]}\n"
+              f"B: {_cell(d['b']['name'])} build {d['b']['build_id'][:16]}")
     if d["identical"]:
         out.print("identical builds")
         return
@@ -654,7 +661,7 @@ def _print_diff(d: dict) -> None:
             for c in ("key", "A", "B"):
                 t.add_column(c)
             for c in d[section]:
-                t.add_row(c["key"], json.dumps(c["a"]), json.dumps(c["b"]))
+                t.add_row(_cell(c["key"]), _cell(json.dumps(c["a"])), _cell(json.dumps(c["b"])))
             out.print(t)
     f = d["files"]
     if f["changed"] or f["added"] or f["removed"]:
@@ -662,11 +669,11 @@ def _print_diff(d: dict) -> None:
         for c in ("change", "path", "bytes A", "bytes B"):
             t.add_column(c)
         for c in f["changed"]:
-            t.add_row("changed", c["path"], str(c["a"]), str(c["b"]))
+            t.add_row("changed", _cell(c["path"]), str(c["a"]), str(c["b"]))
         for p in f["added"]:
-            t.add_row("added", p, "", "")
+            t.add_row("added", _cell(p), "", "")
         for p in f["removed"]:
-            t.add_row("removed", p, "", "")
+            t.add_row("removed", _cell(p), "", "")
         out.print(t)
     r = d["ranks"]
     out.print(f"ranks whose files changed: {r['changed']} of {r['of']}" + (f" ({r['which']})" if r["which"] else ""))
@@ -912,7 +919,7 @@ def _print_farm(rep: dict, list_only: bool) -> None:
         status = j["status"] + (f": {j['error']}" if j.get("error") else "")
         ran = () if list_only else (j["where"], f"{j['seconds']:.1f}")
         t.add_row(j["key"][:16], j["program"], j["batch_size"], j["target"], ", ".join(j["recipes"]), *ran,
-                  f"[{colors[j['status']]}]{escape(printable(status))}[/]")
+                  f"[{colors[j['status']]}]{_cell(status)}[/]")
     out.print(t)
 
 
