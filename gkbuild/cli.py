@@ -16,6 +16,7 @@ from .errors import GkError, printable, shown
 from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
+from .publish.leases import SKEW, TTL
 
 out = Console()
 if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
@@ -746,18 +747,17 @@ def cache_prune(store, keep):
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
 
-@cli.command()
+@cli.command(help=f"""The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
+    holds one, and while one is live `publish --prune` and `cache prune` delete no blob. A lease
+    counts until its expiry, and never longer than {(TTL + SKEW) / 60:.0f} minutes after the store
+    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
+    one now: only when its publish is known to be dead (its blobs would be pruned under it).""")
 @click.argument("store", metavar="STORE")
 @click.option("--clear", "names", multiple=True, metavar="LEASE",
               help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
                    "one that still blocks prunes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the leases as JSON.")
 def leases(store, names, as_json):
-    """The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress holds one,
-    and while one is live `publish --prune` and `cache prune` delete no blob. A lease counts until
-    its expiry, and never longer than the lease time plus the allowed clock skew after the store
-    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
-    one now: only when its publish is known to be dead (its blobs would be pruned under it)."""
     import time
 
     from .publish import leases as ls
