@@ -287,20 +287,33 @@ def _flip_a_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_verify_signature_checks_a_folders_files_against_the_signed_manifest(build, keys, tmp_path):
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """gkbuild in this process (no interpreter start): (exit code, stdout, stderr on one line)."""
+    from gkbuild import cli
+
+    capsys.readouterr()
+    try:
+        cli.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def test_verify_signature_checks_a_folders_files_against_the_signed_manifest(build, keys, tmp_path, capsys):
     store = _signed_store(build, keys, tmp_path)
-    ok = run_cli("verify-signature", str(build), "--trust", keys["ci"][1])
-    said = " ".join(ok.stderr.split())
-    assert ok.returncode == 0 and f"its {len(mf.load(build)['files'])} files match the signed manifest" in said
-    ok = run_cli("verify-signature", str(store), "--trust", keys["ci"][1], "--json")
-    assert ok.returncode == 0 and json.loads(ok.stdout)["files_checked"] is None  # a store: nothing fetched
-    assert "gkbuild fetch checks each" in " ".join(run_cli("verify-signature", str(store), "--trust",
-                                                           keys["ci"][1]).stderr.split())
+    code, _, err = _cli(capsys, "verify-signature", str(build), "--trust", keys["ci"][1])
+    assert code == 0 and f"its {len(mf.load(build)['files'])} files match the signed manifest" in " ".join(err.split())
+    code, out, _ = _cli(capsys, "verify-signature", str(store), "--trust", keys["ci"][1], "--json")
+    assert code == 0 and json.loads(out)["files_checked"] is None  # a store: nothing fetched
+    code, _, err = _cli(capsys, "verify-signature", str(store), "--trust", keys["ci"][1])
+    assert "gkbuild fetch checks each" in " ".join(err.split())
     shard = build / "weights" / "attn-tp0.safetensors"
     _flip_a_byte(shard)
-    bad = run_cli("verify-signature", str(build), "--trust", keys["ci"][1])
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
-    assert "the signature is good, but a file is not what it signed" in bad.stderr and str(shard) in bad.stderr
+    code, _, err = _cli(capsys, "verify-signature", str(build), "--trust", keys["ci"][1])
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert "the signature is good, but a file is not what it signed" in err and str(shard) in err
 
 
 def test_under_trust_each_verify_mode_guarantees_what_its_docstring_says(build, keys, tmp_path):
