@@ -47,6 +47,7 @@ ROPE_MODES = ("host", "fused")
 # activations) and the Neuron runtime's own per-core allocations. An estimate, not a measurement:
 # replace it with what neuron-monitor reports for the compiled programs on a Trainium host.
 DEFAULT_DEVICE_RESERVE_GIB = 1.0
+MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -91,7 +92,8 @@ class KVCache:
 
 @dataclass
 class Decode:
-    batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
+    batch_sizes: list = _f([1], f"global decode batch sizes to build for (each a multiple of tp * dp, each once, "
+                                f"at most {MAX_BATCH_SIZES})")
     max_context: int = _f(4096, "longest sequence a step attends to: the full block table's width in tokens")
     embedding: str = _f("host", "where tokens are embedded: host (the runtime, from a host-side table), vocab "
                                 "(the kernel's fused prologue, V/W x Hp a rank) or hidden (V x Hp/TP a TP rank)",
@@ -352,7 +354,6 @@ LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cach
 # FP8 dequant scales: far outside this, a fold overflows or flushes bf16 weights.
 SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
-MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
 MAX_NODES = 4096  # YAML values in a recipe (or a --set / --vary value)
 
 
