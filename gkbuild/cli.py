@@ -12,13 +12,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import GkError
+from .errors import GkError, printable, shown
+from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
+from .publish.leases import SKEW, TTL
 
 out = Console()
 if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
     out = Console(width=160)
+
+
+def _cell(text) -> str:
+    """A table cell of text a file, a store or a peer supplied: shown as it is (no rich markup, no
+    control characters obeyed)."""
+    return escape(printable(str(text)))
 
 
 def _parse_size(text: str) -> int:
@@ -267,7 +275,7 @@ def check(build_dir, quiet):
     with bar("check", sum(f["size"] for f in m["files"]), quiet) as advance:
         found = problems(build_dir, advance)
     for p in found:
-        click.echo(p)
+        click.echo(printable(p))  # a file's name is the folder's, not ours: shown, never obeyed
     if found:
         raise GkError(f"{build_dir}: {len(found)} problem(s) against the manifest")
     note(f"ok: {len(m['files'])} files match the manifest (build {m['build_id'][:16]})", quiet)
@@ -459,7 +467,8 @@ def _print_verify(rep) -> None:
         for c in ("seq", "prompt", "reference", "build", "agree"):
             t.add_column(c, justify="right" if c in ("seq", "agree") else "left", overflow="fold")
         for i, x in enumerate(rep.texts):
-            t.add_row(str(i), x["prompt"], x["reference"], x["build"], f"{x['agree']}/{x['length']}")
+            t.add_row(str(i), *(printable(x[k]) for k in ("prompt", "reference", "build")),
+                      f"{x['agree']}/{x['length']}")
         out.print(t, markup=False)
     tol = ", ".join(f"top-{k or 'all'}: {a}+{r}*|ref|" for k, (a, r) in TOLERANCES[rep.kv].items())
     out.print(f"max |err| {rep.max_abs_err:.4f}, min cosine {rep.min_cosine:.6f}; routing forced at true ties "
@@ -505,6 +514,10 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     with zstd where that pays, content the store already holds skipped, then the publish index
     written in one step (one commit on the hub), so nobody sees half a build.
 
+    A store holds the build published last: publishing another replaces it (and says so); of two
+    publishes at once, the second to commit is refused. Without --sign, a signature beside the
+    manifest is published only if it is over exactly this manifest and provenance.
+
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
       gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
@@ -523,7 +536,10 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     what = ("already published: nothing uploaded" if rep["already"] else
             f"{rep['uploaded_files']} files uploaded ({human_bytes(rep['uploaded_bytes'])}), "
             f"{rep['files'] + 1 - rep['uploaded_files']} already in the store")
-    note(f"{what}; build {rep['build_id'][:16]}", quiet)
+    old = rep.get("replaced")
+    replaced = (f"; it replaces build {shown(old['name'])} {str(old['build_id'])[:16]} (a store holds the build "
+                f"published last; the old one's blobs stay until --prune)") if old else ""
+    note(f"{what}; build {rep['build_id'][:16]}{replaced}", quiet)
 
 
 def _trust_options(f):
@@ -588,10 +604,15 @@ def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
 @click.argument("ref", metavar="BUILD|SRC")
 @_trust_options
 @click.option("--json", "as_json", is_flag=True, help="Print what the signature and provenance say as JSON.")
-def verify_signature(ref, trust, trust_issuer, as_json):
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def verify_signature(ref, trust, trust_issuer, as_json, quiet):
     """Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
-    one of the --trust keys or identities, without fetching any file: the signature must cover
-    exactly its manifest and provenance. Prints who signed it and what the provenance says."""
+    one of the --trust keys or identities: the signature must cover exactly its manifest and
+    provenance. Prints who signed it and what the provenance says.
+
+    A build folder's files are then checked against the signed manifest (hashed, or hashed before
+    on this host for this same manifest): a file changed since signing fails. A store's files are
+    not read (nothing is fetched): `gkbuild fetch SRC --trust ...` checks each one as it arrives."""
     from .pipeline import manifest as mf
     from .publish import signing
     from .publish.fetch import read_manifest, read_signed
@@ -600,20 +621,32 @@ def verify_signature(ref, trust, trust_issuer, as_json):
     if not trust:
         raise GkError("verify-signature: give at least one --trust KEY.pub or identity")
     trusted = signing.trust_list(trust, trust_issuer)
+    files = None
     if "://" not in ref and (Path(ref) / mf.NAME).exists():
-        man_bytes = mf.read_bytes(Path(ref))
-        m, signed = mf.parse(man_bytes, f"{ref}/{mf.NAME}"), signing.read_folder(Path(ref))
+        from .runtime import Build
+
+        build = Build.open(Path(ref), trust=trusted)  # the signature, over exactly this manifest, first
+        m, v = build.manifest, build.signature
+        try:
+            with bar("files", sum(f["size"] for f in m["files"]), quiet or as_json) as advance:
+                files = build.verify_files(advance)
+        except GkError as e:
+            raise GkError(f"{ref}: the signature is good, but a file is not what it signed: {e}") from None
+        finally:
+            build.close()
     else:
         store = open_store(ref)
         idx, m, man_bytes = read_manifest(store)
-        signed = read_signed(store, idx)
-    v = signing.verify(man_bytes, signed, trusted, f"{ref} (build {m['name']} {m['build_id'][:16]})")
-    d = signing.describe(v)
+        v = signing.verify(man_bytes, read_signed(store, idx), trusted,
+                           f"{ref} (build {m['name']} {m['build_id'][:16]})")
+    d = {**signing.describe(v), "files_checked": files}
     if as_json:
         click.echo(json.dumps(d, indent=1))
         return
+    what = (f"its {files} files match the signed manifest" if files is not None else
+            "the store's files were not read: gkbuild fetch checks each against this manifest")
     note(f"ok: build {m['name']} {m['build_id'][:16]} is signed by {d['signed_by']}; built by {d['builder']} "
-         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]})", False)
+         f"from {d['source']} (recipe sha256 {str(d['recipe_sha256'])[:16]}); {what}", False)
 
 
 @cli.command()
@@ -636,7 +669,8 @@ def diff(a, b, as_json):
 
 
 def _print_diff(d: dict) -> None:
-    out.print(f"A: {d['a']['name']} build {d['a']['build_id'][:16]}\nB: {d['b']['name']} build {d['b']['build_id'][:16]}")
+    out.print(f"A: {_cell(d['a']['name'])} build {d['a']['build_id'][:16]}\n"
+              f"B: {_cell(d['b']['name'])} build {d['b']['build_id'][:16]}")
     if d["identical"]:
         out.print("identical builds")
         return
@@ -646,7 +680,7 @@ def _print_diff(d: dict) -> None:
             for c in ("key", "A", "B"):
                 t.add_column(c)
             for c in d[section]:
-                t.add_row(c["key"], json.dumps(c["a"]), json.dumps(c["b"]))
+                t.add_row(_cell(c["key"]), _cell(json.dumps(c["a"])), _cell(json.dumps(c["b"])))
             out.print(t)
     f = d["files"]
     if f["changed"] or f["added"] or f["removed"]:
@@ -654,11 +688,11 @@ def _print_diff(d: dict) -> None:
         for c in ("change", "path", "bytes A", "bytes B"):
             t.add_column(c)
         for c in f["changed"]:
-            t.add_row("changed", c["path"], str(c["a"]), str(c["b"]))
+            t.add_row("changed", _cell(c["path"]), str(c["a"]), str(c["b"]))
         for p in f["added"]:
-            t.add_row("added", p, "", "")
+            t.add_row("added", _cell(p), "", "")
         for p in f["removed"]:
-            t.add_row("removed", p, "", "")
+            t.add_row("removed", _cell(p), "", "")
         out.print(t)
     r = d["ranks"]
     out.print(f"ranks whose files changed: {r['changed']} of {r['of']}" + (f" ({r['which']})" if r["which"] else ""))
@@ -729,6 +763,38 @@ def cache_prune(store, keep):
     rep = prune(open_store(store), keys)
     note(f"removed {rep['entries_removed']} entries and {rep['blobs_removed']} blobs "
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
+
+
+@cli.command(help=f"""The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
+    holds one, and while one is live `publish --prune` and `cache prune` delete no blob. A lease
+    counts until its expiry, and never longer than {(TTL + SKEW) / 60:.0f} minutes after the store
+    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
+    one now: only when its publish is known to be dead (its blobs would be pruned under it).""")
+@click.argument("store", metavar="STORE")
+@click.option("--clear", "names", multiple=True, metavar="LEASE",
+              help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
+                   "one that still blocks prunes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the leases as JSON.")
+def leases(store, names, as_json):
+    import time
+
+    from .publish import leases as ls
+    from .publish.stores import open_store
+
+    st = open_store(store)
+    if names:
+        for n in ls.clear(st, list(names)):
+            note(f"removed {n}", as_json)
+    now = time.time()
+    held = ls.leases(st)
+    if as_json:
+        click.echo(json.dumps([{"name": h.name, "record": h.doc, "until": h.until, "live": h.until > now,
+                                "problem": h.problem} for h in held], indent=1))
+        return
+    for h in held:
+        note(("live: " if h.until > now else "expired: ") + h.describe(now))
+    if not held:
+        note(f"{st.uri}: no leases")
 
 
 @cli.group()
@@ -812,7 +878,8 @@ def _print_di_plan(plan: dict) -> None:
 @_set_option
 @click.option("--vary", multiple=True, metavar="KEY=[V1, V2]",
               help="Plan every recipe once per value of KEY (a YAML list), e.g. --vary "
-                   "'decode.batch_sizes=[[1], [8]]'; several --vary options cross.")
+                   f"'decode.batch_sizes=[[1], [8]]'; several --vary options cross (at most {MAX_PLANS} plans: "
+                   "recipes x values; more is refused before planning).")
 @click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", required=True,
               help="The compile cache the jobs push to (folder, hf://ORG/NAME, s3://BUCKET/PREFIX); env "
                    "GKBUILD_COMPILE_CACHE.")
@@ -870,7 +937,7 @@ def _print_farm(rep: dict, list_only: bool) -> None:
         status = j["status"] + (f": {j['error']}" if j.get("error") else "")
         ran = () if list_only else (j["where"], f"{j['seconds']:.1f}")
         t.add_row(j["key"][:16], j["program"], j["batch_size"], j["target"], ", ".join(j["recipes"]), *ran,
-                  f"[{colors[j['status']]}]{escape(status)}[/]")
+                  f"[{colors[j['status']]}]{_cell(status)}[/]")
     out.print(t)
 
 
@@ -969,13 +1036,13 @@ def main(argv=None) -> None:
             stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="gkbuild", standalone_mode=False)
-    except GkError as e:
-        click.echo(f"gkbuild: error: {e}", err=True)
+    except GkError as e:  # its text may hold a peer's or a file's: printed escaped, never obeyed
+        click.echo(f"gkbuild: error: {printable(str(e))}", err=True)
         sys.exit(1)
     except OSError as e:  # a full disk, a read-only file system, a folder where a file should be...
         from .errors import os_error
 
-        click.echo(f"gkbuild: error: {os_error(e)}", err=True)
+        click.echo(f"gkbuild: error: {printable(os_error(e))}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("gkbuild: interrupted", err=True)

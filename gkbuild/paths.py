@@ -56,7 +56,8 @@ def create(path: Path, mode: int = 0o644) -> int:
 
 
 # Temporaries gkbuild itself writes beside a final name; only these are ever cleaned up.
-TEMP = re.compile(r"^(\..+\.\d+\.partial(\.pt2)?|.+\.safetensors\.\d+\.\d+\.partial|\.tmp-[a-z]+-\d+)$")
+# (``.decode.pt2.<pid>.cache.partial``: a program being restored from the compile cache.)
+TEMP = re.compile(r"^(\..+\.\d+\.(cache\.)?partial(\.pt2)?|.+\.safetensors\.\d+\.\d+\.partial|\.tmp-[a-z]+-\d+)$")
 
 
 def our_temporaries(root: Path) -> list[Path]:
@@ -100,10 +101,14 @@ def claim(folder: Path) -> None:
 
 @contextlib.contextmanager
 def file_lock(path: Path, wait: bool = True):
-    """An exclusive advisory lock held on ``path`` (created if needed) for the block's duration;
-    with ``wait`` False, None is yielded at once if another process holds it."""
+    """An exclusive advisory lock held on ``path`` (a file, created if needed, or a folder: locked
+    as it is, nothing written into it) for the block's duration; with ``wait`` False, None is
+    yielded at once if another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    if os.path.isdir(path) and not os.path.islink(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -6,9 +6,12 @@ import contextlib
 from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.text import Text
 from rich.progress import (BarColumn, DownloadColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.progress import Progress as _Rich
+
+from .errors import printable
 
 console = Console(stderr=True)
 Advance = Callable[[int], None]
@@ -67,10 +70,12 @@ def steps_bar(description: str, total: int, quiet: bool = False) -> Iterator[Cal
 
 
 def note(message: str, quiet: bool = False) -> None:
+    """A line for people; what a file or a peer put in it is shown, never obeyed (no markup,
+    control characters escaped)."""
     if not quiet:
-        console.print(message, highlight=False, soft_wrap=True)
+        console.print(printable(message), markup=False, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """Warnings are never silenced by --quiet."""
-    console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(Text.assemble(("warning:", "bold yellow"), " ", printable(message)), highlight=False, soft_wrap=True)

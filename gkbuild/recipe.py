@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import collections
 import hashlib
 import json
 import math
@@ -46,6 +47,7 @@ ROPE_MODES = ("host", "fused")
 # activations) and the Neuron runtime's own per-core allocations. An estimate, not a measurement:
 # replace it with what neuron-monitor reports for the compiled programs on a Trainium host.
 DEFAULT_DEVICE_RESERVE_GIB = 1.0
+MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -90,7 +92,8 @@ class KVCache:
 
 @dataclass
 class Decode:
-    batch_sizes: list = _f([1], "global decode batch sizes to build for (each a multiple of tp * dp)")
+    batch_sizes: list = _f([1], f"global decode batch sizes to build for (each a multiple of tp * dp, each once, "
+                                f"at most {MAX_BATCH_SIZES})")
     max_context: int = _f(4096, "longest sequence a step attends to: the full block table's width in tokens")
     embedding: str = _f("host", "where tokens are embedded: host (the runtime, from a host-side table), vocab "
                                 "(the kernel's fused prologue, V/W x Hp a rank) or hidden (V x Hp/TP a TP rank)",
@@ -270,6 +273,12 @@ class Recipe:
         bs = self.decode.batch_sizes
         if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
             bad("decode.batch_sizes", bs, "expected a non-empty list of positive integers")
+        if len(bs) > MAX_BATCH_SIZES:
+            bad("decode.batch_sizes", bs, f"at most {MAX_BATCH_SIZES} batch sizes (on trn each is a program to "
+                                          f"compile), not {len(bs)}")
+        twice = next((b for b, n in collections.Counter(bs).items() if n > 1), None)
+        if twice is not None:
+            bad("decode.batch_sizes", twice, "each batch size once (this one is given more than once)")
         for b in bs:
             if b % t.world:
                 bad("decode.batch_sizes", b, f"each batch size must be a multiple of tp * dp = {t.world} "
@@ -349,14 +358,16 @@ LIMITS = {"decode.batch_sizes": 1 << 16, "decode.max_context": 1 << 24, "kv_cach
 # FP8 dequant scales: far outside this, a fold overflows or flushes bf16 weights.
 SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 INT_LISTS = ("topology.hops", "decode.batch_sizes")
+MAX_NODES = 4096  # YAML values in a recipe (or a --set / --vary value)
 
 
 class _Loader(yaml.SafeLoader):
     """YAML without aliases (a few bytes of ``&a [*b, *b, ...]`` expand to gigabytes), nested at
-    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), and without duplicate
-    keys (the last one would win silently)."""
+    most ``jsonio.MAX_DEPTH`` deep (the composer recurses a level a node), of at most ``MAX_NODES``
+    values (a recipe holds a few dozen; 100,000 list items took seconds to parse, then to plan),
+    and without duplicate keys (the last one would win silently)."""
 
-    depth = 0
+    depth = nodes = 0
 
     def compose_node(self, parent, index):
         ev = self.peek_event()
@@ -365,6 +376,9 @@ class _Loader(yaml.SafeLoader):
                           f"allowed in a recipe")
         if self.depth >= MAX_DEPTH:
             raise GkError(f"line {ev.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise GkError(f"line {ev.start_mark.line + 1}: more than {MAX_NODES} values; a recipe holds a few dozen")
         self.depth += 1
         try:
             return super().compose_node(parent, index)

@@ -46,6 +46,30 @@ def _png(fig) -> str:
 
 def figures(rep: dict) -> list[tuple[str, str]]:
     """[(caption, base64 PNG)] for the report's plots."""
+    return [(caption, _png(fig)) for caption, fig in plots(rep)]
+
+
+def _counted(ax) -> None:
+    """Layers and positions are counts: whole-number ticks only (matplotlib would put 0.25, 0.5...
+    on an axis of a few layers)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend(ax, *more) -> None:
+    """One legend for every series of ``ax`` and its twins ``more``, right of the plot (and of a
+    twin's axis), outside the data it explains: the figure's constrained layout makes room."""
+    handles, labels = [], []
+    for a in (ax, *more):
+        h, lab = a.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    ax.figure.legend(handles, labels, fontsize=7, loc="outside right upper")
+
+
+def plots(rep: dict) -> list[tuple[str, object]]:
+    """[(caption, matplotlib figure)] for the report's plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,8 +83,9 @@ def figures(rep: dict) -> list[tuple[str, str]]:
     ax.set_xlabel("position")
     ax.set_ylabel("sequence")
     ax.set_yticks(range(len(err)))
+    _counted(ax)
     fig.colorbar(im, ax=ax, label="max |logit error|")
-    out.append(("max |logit error| by sequence and position", _png(fig)))
+    out.append(("max |logit error| by sequence and position", fig))
 
     L = len(rep["layer_errors"])
     layers = list(range(L))
@@ -69,7 +94,7 @@ def figures(rep: dict) -> list[tuple[str, str]]:
     def pos(v):  # a log axis shows no zero or null
         return floor if v is None else max(v, floor)
 
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = plt.subplots(figsize=(9, 3.5), layout="constrained")
     ax.semilogy(layers, [pos(e) for e in rep["layer_errors"]], "o-", label="free-running (own input)")
     ax.semilogy(layers, [pos(e) for e in rep["layer_local_errors"]], "s-", label="on the reference's input")
     ax.semilogy(layers, [pos(e) for e in rep["layer_local_median"]], "s:", label="on the reference's input, median")
@@ -81,12 +106,13 @@ def figures(rep: dict) -> list[tuple[str, str]]:
         ax.axvline(rep["first_bad_layer"], color="red", lw=2, alpha=0.3, label="first departing layer")
     ax.set_xlabel("layer")
     ax.set_ylabel("relative error")
-    ax.legend(fontsize=7, loc="best")
-    out.append(("hidden-state relative error by layer", _png(fig)))
+    _counted(ax)
+    _legend(ax)
+    out.append(("hidden-state relative error by layer", fig))
 
     steps = rep["steps"]
     where = [s["step"] for s in steps]
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig, ax = plt.subplots(figsize=(9, 3), layout="constrained")
     exact = [s["top1_exact"] for s in steps]
     near = [s["top1_near"] for s in steps]
     wrong = [s["top1_wrong"] for s in steps]
@@ -99,10 +125,11 @@ def figures(rep: dict) -> list[tuple[str, str]]:
     ax2.plot(where, [s["top5_overlap"] for s in steps], "k.-", label="top-5 overlap")
     ax2.set_ylim(0, 1.05)
     ax2.set_ylabel("top-5 overlap")
-    ax.legend(fontsize=7, loc="lower left")
-    out.append(("top-k agreement by position", _png(fig)))
+    _counted(ax)
+    _legend(ax, ax2)
+    out.append(("top-k agreement by position", fig))
 
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig, ax = plt.subplots(figsize=(9, 3), layout="constrained")
     margin = rep["router_margin"]
     ax.semilogy(layers, [pos(m["min"]) for m in margin], "o-", label="reference's smallest margin")
     ax.semilogy(layers, [pos(m["median"]) for m in margin], "s-", label="median margin")
@@ -112,16 +139,18 @@ def figures(rep: dict) -> list[tuple[str, str]]:
     ax2 = ax.twinx()
     ax2.bar(layers, rep["layer_forced"], alpha=0.3, color="tab:red", label="forced routings")
     ax2.set_ylabel("forced (distinct token-layers)")
-    ax.legend(fontsize=7, loc="lower left")
-    out.append(("router margin and forced routings by layer", _png(fig)))
+    _counted(ax)
+    _legend(ax, ax2)
+    out.append(("router margin and forced routings by layer", fig))
 
-    fig, ax = plt.subplots(figsize=(9, 2.5))
+    fig, ax = plt.subplots(figsize=(9, 2.5), layout="constrained")
     ax.bar(layers, rep["experts"]["routed_by_layer"], label="experts the reference routed to")
     ax.axhline(rep["experts"]["checked"] / max(L, 1), color="k", ls="--", lw=1, label="experts checked on probe rows")
     ax.set_xlabel("layer")
     ax.set_ylabel("experts")
-    ax.legend(fontsize=7, loc="lower left")
-    out.append(("routing coverage by layer", _png(fig)))
+    _counted(ax)
+    _legend(ax)
+    out.append(("routing coverage by layer", fig))
     return out
 
 

@@ -9,6 +9,10 @@ and tail layout, programs) is checked against the manifest when first read: ``ve
 size, mtime and inode; remembered in ``$GKBUILD_CACHE/fingerprints.json``); ``"size"`` checks
 sizes only; ``"none"`` trusts the folder. ``load_rank`` maps the rank's shard files
 copy-on-write and returns torch tensors that share those pages.
+
+With ``trust``, the signature vouches for the manifest; the verify mode says what reaches the
+files: ``"hash"``: every file read is the signed bytes; ``"size"``: only that each has the signed
+size (a shard edited in place at the same size loads); ``"none"``: nothing.
 """
 
 from __future__ import annotations
@@ -83,23 +87,29 @@ class Build:
         self._files = {f["path"]: f for f in manifest["files"]}
         self._maps: dict[str, MappedFile] = {}
         self._checked: set[str] = set()
+        self.signature = None  # who signed the manifest (``signing.Verified``), when opened with ``trust``
 
     @classmethod
     def open(cls, path: Path | str, target: str | None = None, world_size: int | None = None,
              verify: str = "hash", expect_build_id: str | None = None, trust: list | None = None) -> "Build":
         """``trust``: public key files and keyless identities (``gkbuild.publish.signing.trust_list``),
         one of which must have signed this manifest (its ``manifest.sig``), else the build is refused
-        before anything else is read."""
+        before anything else is read (``signature`` then says who signed it). A signature covers the
+        manifest; ``verify`` decides how far that reaches the files read: ``"hash"`` (the default)
+        refuses any file that is not the signed bytes, ``"size"`` only one of another size (a file
+        edited at the same size loads: use it only where the folder cannot be written), ``"none"``
+        checks nothing. ``verify_files`` checks every file at once."""
         root = Path(path)
         if verify not in VERIFY:
             raise GkError(f"verify={verify!r}: expected one of {', '.join(VERIFY)}")
         man_bytes = mf.read_bytes(root)
         m = mf.parse(man_bytes, str(root / mf.NAME))
+        signed = None
         if trust is not None:
             from .publish import signing
 
-            signing.verify(man_bytes, signing.read_folder(root), signing.trust_list(trust),
-                           f"{root} (build {m['name']} {m['build_id'][:16]})")
+            signed = signing.verify(man_bytes, signing.read_folder(root), signing.trust_list(trust),
+                                    f"{root} (build {m['name']} {m['build_id'][:16]})")
         if expect_build_id is not None:
             want = str(expect_build_id).lower()
             if len(want) < 12 or not m["build_id"].startswith(want):
@@ -116,7 +126,9 @@ class Build:
         if world_size is not None and world_size != world:
             raise GkError(f"{root}: built for {world} ranks (TP{m['topology']['tp']} x DP{m['topology']['dp']}), "
                           f"this runtime has {world_size}")
-        return cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest())
+        build = cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest())
+        build.signature = signed
+        return build
 
     @property
     def world_size(self) -> int:
@@ -127,7 +139,14 @@ class Build:
             raise GkError(f"{self.root}: rank {rank} is outside 0..{self.world_size - 1}")
         return self.manifest["ranks"][rank]
 
-    def file(self, rel: str) -> Path:
+    def verify_files(self, advance=lambda n: None) -> int:
+        """Check every file the manifest lists as ``verify`` says (``gkbuild verify-signature``: the
+        files against the signed manifest); how many. ``advance(nbytes)`` counts what is hashed."""
+        for f in self.manifest["files"]:
+            self.file(f["path"], advance)
+        return len(self.manifest["files"])
+
+    def file(self, rel: str, advance=lambda n: None) -> Path:
         """The path of a file the manifest lists, checked as ``verify`` says (once per Build)."""
         entry = self._files.get(rel)
         if entry is None:
@@ -146,7 +165,7 @@ class Build:
             fps = Fingerprints(cache_root())
             digest = fps.lookup(p, scope=self.digest)
             if digest is None:
-                digest = sha256_file(p)
+                digest = sha256_file(p, advance)
                 fps.remember(p, digest, scope=self.digest)
                 with contextlib.suppress(OSError):  # a read-only cache: the file is simply hashed again next time
                     fps.save()

@@ -19,9 +19,13 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .errors import GkError
+from .errors import GkError, shown
 
 _URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>[^\\\0]*))?$")
+# S3's "safe characters" for object keys (AWS S3 User Guide, "Naming Amazon S3 objects") and '/',
+# plus '=', '+', ',', '@' and '~', which need no encoding either.
+_SAFE_PUNCTUATION = "/!-_.*'()=+,@~"
+_SAFE = re.compile(rf"^[A-Za-z0-9{re.escape(_SAFE_PUNCTUATION)}]$")
 PART = 16 << 20  # multipart part size: 10,000 parts reach 156 GiB; memory is one part a writer
 MIN_PART = 5 << 20  # S3's smallest non-final part
 
@@ -48,10 +52,18 @@ class S3Ref:
 
 
 def parse(uri: str) -> S3Ref:
+    """An ``s3://BUCKET[/PREFIX]`` location, refused (before anything is read or written under it)
+    unless its prefix is plain: S3's safe characters, no query (``?versionId=``) or fragment,
+    which s3fs would read as a version rather than as part of a key."""
     m = _URI.match(uri)
     prefix = (m["prefix"] or "").strip("/") if m else ""
     if not m or (prefix and any(p in ("", ".", "..") for p in prefix.split("/"))):
-        raise GkError(f"{uri!r}: expected s3://BUCKET[/PREFIX] (lower-case bucket, no '..' or empty parts)")
+        raise GkError(f"{shown(uri)}: expected s3://BUCKET[/PREFIX] (lower-case bucket, no '..' or empty parts)")
+    odd = next((c for c in prefix if not _SAFE.match(c)), None)
+    if odd is not None:
+        why = "a query or fragment is not part of a location" if odd in "?#" else "not one of S3's safe key characters"
+        raise GkError(f"{shown(uri)}: {odd!r} in the prefix: {why}; expected s3://BUCKET[/PREFIX] with letters, digits "
+                      f"and {_SAFE_PUNCTUATION} only")
     return S3Ref(m["bucket"], prefix)
 
 

@@ -60,3 +60,84 @@ def test_out_naming_a_file_is_one_line(tmp_path, capsys):
         cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(tmp_path / "f"), "-q"])
     assert "f: exists and is not a folder" in capsys.readouterr().err
     assert (tmp_path / "f").read_text() == "x"
+
+
+ANSI = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"  # clear screen, set the title, a C1 CSI, a bidi override
+
+
+def test_a_peers_error_text_reaches_the_terminal_escaped(monkeypatch, capsys):
+    """A fake prefill peer on 127.0.0.1 answers with an error whose text holds terminal escapes:
+    the line gkbuild prints shows them, it does not send them."""
+    import click
+
+    from gkbuild.di.decode import Peer
+    from tests.di.test_wire import _frame, _serve
+
+    @click.group()
+    def group():
+        pass
+
+    @group.command()
+    def connect():
+        Peer(_serve([_frame({"op": "error", "message": f"prefill: {ANSI}boom"})]))
+
+    monkeypatch.setattr(cli, "cli", group)  # main() prints what the command raised, as for any command
+    with pytest.raises(SystemExit) as e:
+        cli.main(["connect"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "boom" in err
+    assert not any(c in err for c in "\x1b\x07\x9b\u202e")
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e" in err
+
+
+def test_a_file_name_and_a_warning_reach_the_terminal_escaped(build, capsys):
+    """check prints the names of files it finds; a warning quotes a store's or a file's text."""
+    from gkbuild.progress import warn
+
+    (build / f"x{ANSI}y").write_text("planted")
+    with pytest.raises(SystemExit):
+        cli.main(["check", str(build), "-q"])
+    out = capsys.readouterr()
+    assert "extra: x\\x1b[2J" in out.out and not any(c in out.out + out.err for c in "\x1b\x07\x9b\u202e")
+    warn(f"a store said {ANSI}[bold]hi[/bold]")
+    err = capsys.readouterr().err
+    assert "\\x1b[2J" in err and "[bold]hi[/bold]" in err and "\x1b[2J" not in err
+
+
+def test_a_file_given_as_the_compile_cache_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "cache.txt").write_text("not a store")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(out), "-q", "--cache",
+                  str(tmp_path / "cache.txt")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert "cache.txt: exists and is not a folder, so not a store" in err
+    assert not out.exists() and (tmp_path / "cache.txt").read_text() == "not a store"
+
+
+@pytest.mark.parametrize("command", ["publish", "fetch"])
+def test_a_full_disk_in_publish_and_fetch_names_the_file(built, tmp_path, monkeypatch, capsys, command):
+    """The store (publish) or the folder fetched into (fetch) fills while a file is written: the
+    OSError of a write names no file; the line does."""
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    if command == "fetch":
+        cli.main(["publish", str(built), "--to", str(store), "-q"])
+    real = os.fsync
+
+    def full(fd):
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        if "/weights/" in where or (command == "publish" and "/blobs/" in where) or \
+                (command == "fetch" and "/.gkbuild/fetch/" in where):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, *((str(built), "--to", str(store)) if command == "publish" else (str(store), "--to",
+                                                                                          str(dest))), "-q", "-j", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    named = f"{store}/blobs/" if command == "publish" else f"{dest}/"
+    assert err.startswith(f"gkbuild: error: {named}") and err.strip().endswith(": No space left on device")

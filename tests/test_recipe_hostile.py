@@ -71,3 +71,21 @@ def test_the_cli_exits_1_with_one_line_and_writes_nothing(tmp_path):
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "YAML aliases" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_sizes_given_twice_or_too_many_are_refused_at_once(tmp_path):
+    """100,000 copies of one batch size were parsed (2.4 s of YAML) and planned; a recipe of more
+    than 4096 values is refused as it is parsed, and batch sizes twice or past 64 before planning."""
+    from gkbuild.plan import make_plan
+    from gkbuild.model import preset
+
+    with pytest.raises(GkError, match=r"decode.batch_sizes: 4 is not valid; each batch size once"):
+        _load(tmp_path, BASE + KV + "decode: {batch_sizes: [1, 4, 4]}\n").validate()
+    with pytest.raises(GkError, match=r"decode.batch_sizes: .* is not valid; at most 64 batch sizes .*, not 1000"):
+        _load(tmp_path, BASE + KV + "decode: {batch_sizes: [" + ", ".join(["4"] * 1000) + "]}\n").validate()
+    r = run_cli("plan", str(tmp_path / "r.yaml"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "at most 64 batch sizes" in r.stderr
+    with pytest.raises(GkError, match=r"r.yaml: line 4: more than 4096 values; a recipe holds a few dozen"):
+        _load(tmp_path, BASE + KV + "decode: {batch_sizes: [" + ", ".join(["4"] * 100_000) + "]}\n")
+    ok = _load(tmp_path, BASE + KV + "decode: {batch_sizes: [" + ", ".join(str(b) for b in range(1, 65)) + "]}\n")
+    assert len(make_plan(ok.validate(), preset("tiny").with_layers(2)).recipe.decode.batch_sizes) == 64

@@ -87,3 +87,45 @@ def test_a_failing_verify_reports_the_culprit(built, tmp_path, monkeypatch):
     assert "the final norm" in (tmp_path / "r" / "report.html").read_text()
     r = run_cli("verify", str(built), "--golden", str(tmp_path / "missing.safetensors"), "--report", str(tmp_path / "x"))
     assert r.returncode != 0 and not (tmp_path / "x").exists()
+
+
+def _small_report(layers: int = 2, positions: int = 3) -> dict:
+    """The fields the plots read, for a 2-layer build: few enough layers that matplotlib's own
+    ticks would be fractional (0, 0.25, 0.5...)."""
+    return {"position_errors": [[0.01 * (i + 1)] * positions for i in range(2)],
+            "layer_errors": [1e-3] * layers, "layer_local_errors": [1e-4] * layers,
+            "layer_local_median": [1e-6] * layers,
+            "experts": {"worst_by_layer": [1e-7] * layers, "tolerance": 1e-4, "routed_by_layer": [3] * layers,
+                        "checked": 8 * layers},
+            "blame_threshold": 1e-2, "blame_threshold_median": 1e-4, "first_bad_layer": 1,
+            "steps": [{"step": s, "top1_exact": 2, "top1_near": 0, "top1_wrong": 0, "top5_overlap": 1.0}
+                      for s in range(positions)],
+            "router_margin": [{"min": 0.1, "median": 0.5}] * layers, "tie": 0.01, "layer_forced": [0, 1]}
+
+
+def test_layer_and_position_axes_have_whole_ticks_and_legends_sit_outside_the_data():
+    from gkbuild import report
+
+    figs = report.plots(_small_report())
+    assert [c for c, _ in figs] == ["max |logit error| by sequence and position",
+                                    "hidden-state relative error by layer", "top-k agreement by position",
+                                    "router margin and forced routings by layer", "routing coverage by layer"]
+    counted = legends = 0
+    for caption, fig in figs:
+        fig.canvas.draw()
+        for ax in fig.axes:
+            if ax.get_xlabel() in ("layer", "position"):
+                lo, hi = sorted(ax.get_xlim())
+                ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+                assert ticks and all(float(t).is_integer() for t in ticks), (caption, ticks)
+                counted += 1
+            assert ax.get_legend() is None, caption  # no legend drawn inside a plot
+        for leg in fig.legends:
+            box = leg.get_window_extent()
+            data = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+            assert not any(box.overlaps(ax.get_window_extent()) for ax in data), caption
+            handles = {t.get_text() for t in leg.get_texts()}
+            series = {lab for ax in data for lab in ax.get_legend_handles_labels()[1]}
+            assert handles == series, caption  # one legend names every series, the twin axis's too
+            legends += 1
+    assert counted == 5 and legends == 4

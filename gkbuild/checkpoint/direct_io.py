@@ -23,6 +23,8 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..errors import naming
+
 BLOCK = 4096  # a multiple of every logical block size Linux devices use for direct I/O
 STAGE = 8 << 20  # per staging buffer: large enough for full-speed device writes, small in memory
 
@@ -56,12 +58,10 @@ def _take() -> mmap.mmap:
 def pwrite_all(fd: int, buf: memoryview, pos: int, name: str) -> None:
     """Write all of ``buf`` at ``pos``; a failure (a full disk) raised naming the file ``name``, as a
     write's own OSError names none."""
-    try:
+    with naming(name):
         while len(buf):
             n = os.pwrite(fd, buf, pos)
             buf, pos = buf[n:], pos + n
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, name) from None
 
 
 class DirectAppender:

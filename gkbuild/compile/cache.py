@@ -330,7 +330,7 @@ def prune(store, keep: set[str] | None = None) -> dict:
     not in ``keep`` (when given), then blobs no remaining entry names, nor the store's publish
     index (a cache may share a store with builds), unless a publish is in progress there (its
     lease). Only names a push writes are ever deleted."""
-    from ..publish.leases import others_alive
+    from ..publish.leases import blocked, others_alive
 
     blobs = {n: size for n, size in store.stored().items() if index.is_blob(n)}
     drop, live, kept = [], set(), 0
@@ -344,7 +344,10 @@ def prune(store, keep: set[str] | None = None) -> dict:
             kept += 1
     raw = store.read_index()
     published = index.blobs(index.parse(raw, f"{store.uri}/{index.NAME}")) if raw is not None else set()
-    dead = [] if others_alive(store) else sorted(n for n in blobs if n not in live | published)
+    others = others_alive(store)
+    if others:
+        warn(blocked(store, others, "blobs"))
+    dead = [] if others else sorted(n for n in blobs if n not in live | published)
     store.delete(drop + dead)
     return {"entries_removed": len(drop), "blobs_removed": len(dead), "entries_kept": kept,
             "bytes_freed": sum(blobs[n] for n in dead)}

@@ -8,3 +8,7 @@ a Ray cluster) that meet in the shared compile cache.
     local.py    jobs on this host's processes
     ray_run.py  jobs as Ray tasks (imported only with ``--executor ray``)
 """
+
+# Recipes x --vary variants one farm plans: each is a recipe check and a plan (15-25 ms a tiny one), and a
+# cross product grows fast (three --vary of 100 values are a million plans).
+MAX_PLANS = 1024

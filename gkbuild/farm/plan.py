@@ -7,11 +7,13 @@ config.json): no weights, no torch. Programs two recipes share (same key) are on
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import recipe as rc
 from ..errors import GkError, shown
+from . import MAX_PLANS
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class Job:
                 "recipes": list(self.recipes), "cpus": self.cpus, "memory_gib": round(self.memory / 2**30, 2)}
 
 
-def variants(vary: list[str]) -> list[list[str]]:
-    """``--vary KEY=[V1, V2]`` options as lists of ``--set`` assignments: their cross product."""
+def variants(vary: list[str], recipes: int = 1) -> list[list[str]]:
+    """``--vary KEY=[V1, V2]`` options as lists of ``--set`` assignments: their cross product,
+    refused before it is formed when it and ``recipes`` make more than ``MAX_PLANS`` plans."""
     axes = []
     for item in vary:
         k, sep, values = item.partition("=")
@@ -47,6 +50,11 @@ def variants(vary: list[str]) -> list[list[str]]:
             raise GkError(f"--vary {shown(item)}: expected KEY=[V1, V2, ...] (a YAML list of values), "
                           f"e.g. 'decode.batch_sizes=[[1], [8]]'")
         axes.append([f"{k}={_yaml(v)}" for v in parsed])
+    plans = recipes * math.prod(len(a) for a in axes)
+    if plans > MAX_PLANS:
+        sizes = " x ".join(str(n) for n in (recipes, *(len(a) for a in axes)))
+        raise GkError(f"--vary: {sizes} (recipes x values of each --vary) is {plans} plans, over the limit of "
+                      f"{MAX_PLANS}; split the farm into several runs")
     return [list(c) for c in itertools.product(*axes)]
 
 
@@ -64,10 +72,11 @@ def plan(recipe_paths: list[Path], overrides: list[str] = (), vary: list[str] = 
     from ..plan import make_plan
 
     jobs: dict[str, Job] = {}
+    extras = variants(list(vary), len(recipe_paths))
     for path in recipe_paths:
         path = Path(path)
         text = rc.read_text(path)
-        for extra in variants(list(vary)):
+        for extra in extras:
             sets = [*overrides, *extra]
             r = rc.loads(text, path, sets)
             # the config as a build reads it back from config.json (and as a worker rebuilds it)

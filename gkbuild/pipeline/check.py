@@ -7,7 +7,7 @@ from pathlib import Path
 from ..plan import group_ranks, rank_ranges
 from . import manifest as mf
 from .fingerprint import sha256_file
-from ..paths import RESERVED
+from ..paths import RESERVED, TEMP
 from .state import State
 
 
@@ -32,8 +32,8 @@ def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
             out.append(f"sha256 mismatch: {f['path']} is {digest}, manifest says {f['sha256']}")
     for p in sorted(build_dir.rglob("*")):
         rel = p.relative_to(build_dir).as_posix()
-        if p.is_dir() or rel.split("/")[0] in RESERVED:
-            continue
+        if p.is_dir() or rel.split("/")[0] in RESERVED or TEMP.match(p.name):
+            continue  # a temporary of gkbuild's own (a killed run's): not the build's, the next compile removes it
         if rel not in listed:
             out.append(f"extra: {rel} is not in the manifest")
     return out

@@ -339,7 +339,8 @@ class _Build:
                               "sha256": sha256_file(self.out / p), "role": "layout"} for p in docs]
         self.report("layout", not cached, t0, ", ".join(docs))
 
-    def compile(self, enabled: bool, require_neff: bool, cache: str | None = None, cache_push: bool = False) -> None:
+    def compile(self, enabled: bool, require_neff: bool, shared=None) -> None:
+        """``shared``: the compile cache (``CompileCache``) or None."""
         t0 = time.perf_counter()
         if not enabled:
             self.compile_entry = {"status": "skipped: not requested (--no-compile)", "artifacts": []}
@@ -347,9 +348,7 @@ class _Build:
             self.reports.append(StageReport("compile", "skipped", 0.0, "--no-compile"))
             return
         from ..compile import stage
-        from ..compile.cache import CompileCache
 
-        shared = CompileCache(cache, cache_push, staging=self.out / STATE_DIR / "cache-push") if cache else None
         self.compile_entry, self.keys["compile"], status, detail = stage.run(self.plan_, self.out, self.state,
                                                                              self.progress, require_neff,
                                                                              before_write=self.unpublish, cache=shared)
@@ -413,6 +412,11 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
     if spec.kind == "dir":
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
+    shared = None
+    if cache and compile:  # opened before any work: a location that is no store is refused now, not skipped later
+        from ..compile.cache import CompileCache
+
+        shared = CompileCache(cache, cache_push, staging=out / STATE_DIR / "cache-push")
     claim(out)
     with _lock(out), Progress(quiet) as progress:
         b = _Build(recipe, out, jobs or default_jobs(), force, progress)
@@ -421,6 +425,6 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
         b.plan()
         b.shards()
         b.layout()
-        b.compile(compile, require_neff, cache, cache_push)
+        b.compile(compile, require_neff, shared)
         m = b.manifest()
     return BuildResult(out, b.reports, m, b.written, b.nbytes, time.perf_counter() - t0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import fsync_dir
 from .. import jsonio
-from ..errors import GkError
+from ..errors import GkError, naming
 from ..paths import STATE_DIR, confined, create, inside
 
 MAX_RECORD = 64 << 20  # a state or fingerprint file is never near this; a bigger one is not read
@@ -29,7 +29,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with os.fdopen(create(tmp), "wb") as f:
+        with naming(path), os.fdopen(create(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

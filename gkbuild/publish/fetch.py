@@ -21,7 +21,7 @@ from ..pipeline import manifest as mf
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import STATE_DIR, read_json_record, write_bytes_atomic, write_json_atomic
 from ..checkpoint.safetensors_io import fsync_dir
-from ..errors import GkError
+from ..errors import GkError, naming
 from ..paths import PROVENANCE, SIGNATURE, confined, create, inside
 from ..progress import bar
 from . import codec, index, signing
@@ -190,7 +190,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         tmp = dest / STATE_DIR / "fetch" / f".{f['sha256'][:32]}.{threading.get_ident()}.partial"
         where = f"{store.uri}/{f['blob']} ({f['path']})"
         try:
-            with store.open_blob(f["blob"]) as s, os.fdopen(create(tmp), "wb") as out:
+            with naming(target), store.open_blob(f["blob"]) as s, os.fdopen(create(tmp), "wb") as out:
                 got = codec.decode(s, out, f["encoding"], f["size"], f["stored_size"], where, advance)
                 out.flush()
                 os.fsync(out.fileno())

@@ -19,7 +19,7 @@ from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
 from ..progress import bar, warn
 from . import codec, index, signing
-from .leases import Lease, expired, others_alive
+from .leases import Lease, blocked, expired, others_alive
 from .parallel import run_each
 from .stores import live_blobs, open_store
 
@@ -49,14 +49,21 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     """Publish ``build_dir`` to ``dest`` (a folder, ``hf://org/name[@branch]`` or ``s3://``); returns a
     report. ``sign``: a private key's PEM file, or ``sigstore`` (keyless, CI's OIDC identity): the
     signature and provenance go beside the manifest, in the build folder and in the store. Without
-    it, a signature the build folder already has is published as it is (a fetch verifies it)."""
+    it, a signature the build folder already has is published if it is over exactly this manifest
+    and its provenance (who signed it, a fetch with --trust checks); else it is left out, with a
+    warning."""
     build_dir = Path(build_dir)
     man_bytes = mf.read_bytes(build_dir)
     m = mf.parse(man_bytes, str(build_dir / mf.NAME))
     if sign:
         prov = signing.dumps(signing.provenance(m, man_bytes))
         signing.write_folder(build_dir, (signing.sign(man_bytes, prov, sign), prov))
-    built = (build_dir, man_bytes, m, signing.read_folder(build_dir))
+    signed = signing.read_folder(build_dir)
+    why = signing.mismatch(man_bytes, signed) if signed is not None else None
+    if why:  # a signature carried in from elsewhere: never published beside a manifest it does not sign
+        warn(f"{build_dir / SIGNATURE}: {why}; publishing the build unsigned (sign it with --sign)")
+        signed = None
+    built = (build_dir, man_bytes, m, signed)
     store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
     if not store.leases:
         return _publish(built, store, level, jobs, prune, quiet, None)
@@ -74,7 +81,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "files": len(files),
               "uploaded_files": 0, "uploaded_bytes": 0, "raw_bytes": sum(f["size"] for f in files), "entries": []}
     sig_sha = hashlib.sha256(signed[0]).hexdigest() if signed else None
-    if (prev is not None and prev["build_id"] == m["build_id"] and index.blobs(prev) <= stored.keys()
+    if (prev is not None and prev.get("build_id") == m["build_id"] and index.blobs(prev) <= stored.keys()
             and not store.verifies_blobs and prev.get("signature", {}).get("sha256") == sig_sha):
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
@@ -131,6 +138,8 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
                           f"this publish is visible: run it again")
     message = f"gkbuild publish {m['name']} build {m['build_id'][:16]}"
     report.update(already=False, entries=idx["files"], where=store.commit(index.dumps(idx), added, message))
+    if prev is not None and prev.get("build_id") != m["build_id"]:  # a store holds one build: the last published
+        report["replaced"] = {"name": prev.get("name"), "build_id": prev.get("build_id")}
     if prune and lease:
         report["pruned"] = prune_store(store, lease)
     return report
@@ -142,9 +151,7 @@ def prune_store(store, lease: Lease) -> int:
     nothing while another publish holds a live lease. How many files it removed."""
     others = others_alive(store, lease.name)
     if others:
-        o = others[0]
-        warn(f"{store.uri}: {len(others)} other publish(es) in progress ({o.get('owner', '?')[:12]} on "
-             f"{o.get('host', '?')}); blobs not pruned (run --prune again later)")
+        warn(blocked(store, others, "blobs"))
         return 0
     keep = live_blobs(store, store.read_index())
     dead = sorted(n for n in store.stored() if n not in keep) + store.temporaries()

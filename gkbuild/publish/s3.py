@@ -19,7 +19,7 @@ from typing import BinaryIO, Iterator
 from .. import s3
 from ..errors import GkError
 from .index import NAME, is_blob
-from .stores import MAX_INDEX, refuse_foreign
+from .stores import MAX_INDEX, raced, refuse_foreign
 
 READ_BLOCK = 16 << 20  # bytes a ranged GET asks for while a blob streams
 
@@ -89,15 +89,24 @@ class S3Store:
             with f:
                 yield f
 
-    def list(self, folder: str) -> dict[str, int]:
-        """Objects under ``folder`` (one level): name relative to the prefix -> size."""
+    def _objects(self, folder: str) -> dict[str, dict]:
+        """Objects under ``folder`` (one level): name relative to the prefix -> s3fs's details."""
         with self._errors():
             try:
                 found = self.fs.ls(self.ref.path(folder), detail=True)
             except FileNotFoundError:
                 return {}
         cut = len(self.ref.path(""))
-        return {e["name"][cut:]: e["size"] for e in found if e.get("type") == "file"}
+        return {e["name"][cut:]: e for e in found if e.get("type") == "file"}
+
+    def list(self, folder: str) -> dict[str, int]:
+        """Objects under ``folder`` (one level): name -> size."""
+        return {n: e["size"] for n, e in self._objects(folder).items()}
+
+    def modified(self, folder: str) -> dict[str, float]:
+        """When each object under ``folder`` was last written (S3's LastModified: the server's clock)."""
+        return {n: e["LastModified"].timestamp() for n, e in self._objects(folder).items()
+                if hasattr(e.get("LastModified"), "timestamp")}
 
     def stored(self) -> dict[str, int]:
         return {k: v for k, v in self.list("blobs").items() if is_blob(k)}
@@ -143,7 +152,6 @@ class S3Store:
             with self._errors():
                 etag = s3.put(self.fs, self.ref, NAME, index, create=self.etag is None, etag=self.etag)
         except s3.Conflict:
-            raise GkError(f"{self.uri}: another publish committed since this one read the index; nothing of this "
-                          f"publish is visible (its blobs stay for the next try): run it again") from None
+            raise GkError(raced(self.uri)) from None
         self.etag = etag
         return f"{self.uri}/{NAME} (ETag {etag.strip(chr(34))})"

@@ -86,9 +86,34 @@ def _load_public_key(p: Path):
     from cryptography.hazmat.primitives import serialization
 
     try:
-        return serialization.load_pem_public_key(jsonio.read_bounded(p, 1 << 16))
+        key = serialization.load_pem_public_key(jsonio.read_bounded(p, 1 << 16))
     except (ValueError, TypeError) as e:
         raise GkError(f"{p}: not a PEM public key ({str(e)[:80]})") from None
+    _supported(key, f"--trust {p}")
+    return key
+
+
+# What model-signing 1.1.1 signs and verifies with a key: elliptic-curve keys on these curves only
+# (model-signing 1.1.1, model_signing/_signing/sign_ec_key.py:36-51, _check_supported_ec_key; its
+# Signer and Verifier both call it, :97 and :159). RSA, Ed25519 and other curves it cannot use.
+CURVES = ("secp256r1", "secp384r1", "secp521r1")
+
+
+def _supported(key, where: str) -> None:
+    """Refuse, in one line, a key model-signing cannot sign or verify with."""
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+
+    pub = key.public_key() if hasattr(key, "public_key") else key
+    if isinstance(pub, ec.EllipticCurvePublicKey):
+        if pub.curve.name in CURVES:
+            return
+        kind = f"an elliptic-curve key on {pub.curve.name}"
+    else:
+        kinds = {rsa.RSAPublicKey: "an RSA key", ed25519.Ed25519PublicKey: "an Ed25519 key",
+                 ed448.Ed448PublicKey: "an Ed448 key", dsa.DSAPublicKey: "a DSA key"}
+        kind = next((k for t, k in kinds.items() if isinstance(pub, t)), f"a {type(pub).__name__}")
+    raise GkError(f"{where}: {kind}; model-signing signs and verifies with elliptic-curve keys on P-256, P-384 or "
+                  f"P-521 only (or keyless, with a Sigstore identity)")
 
 
 def _model_signing():
@@ -182,6 +207,7 @@ def sign(manifest: bytes, prov: bytes, how: str) -> bytes:
         else:
             if not os.path.isfile(how):
                 raise GkError(f"--sign {shown(how)}: no such private key file (or give --sign sigstore for keyless)")
+            _supported(_load_private_key(Path(how)), f"--sign {shown(how)}")
             config.use_elliptic_key_signer(private_key=Path(how))
         with _Subject(manifest, prov) as s:
             config.sign(s.folder, s.signature)
@@ -192,6 +218,15 @@ def sign(manifest: bytes, prov: bytes, how: str) -> bytes:
         hint = ("keyless signing needs Sigstore (the network) and an OIDC identity: in CI, permissions: id-token: "
                 "write" if how == SIGSTORE else "an unencrypted EC private key (P-256/384/521) in PEM")
         raise GkError(f"--sign {shown(how)}: {type(e).__name__}: {_first_line(e)}; {hint}") from None
+
+
+def _load_private_key(p: Path):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        return serialization.load_pem_private_key(jsonio.read_bounded(p, 1 << 16), None)
+    except (ValueError, TypeError) as e:
+        raise GkError(f"--sign {p}: not an unencrypted PEM private key ({_first_line(e)[:80]})") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -238,6 +273,44 @@ def verify(manifest: bytes, signed: tuple[bytes, bytes] | None, trust: list[Trus
             _check_provenance(prov, manifest, where)
             return Verified(t, prov)
     raise GkError(f"{where}: refused: {_why(reasons)}")
+
+
+def mismatch(manifest: bytes, signed: tuple[bytes, bytes]) -> str | None:
+    """Why ``signed`` (signature, provenance) is not a signature over exactly ``manifest`` and that
+    provenance (None: it is). What the signed statement lists is checked, not who signed it: that
+    takes a trusted key or identity (``verify``), which a publish does not have.
+
+    model-signing 1.1.1's statement (model_signing/_signing/signing.py:169-252, ``Payload``; read
+    back by ``dsse_payload_to_manifest``, :74-126): the Sigstore bundle's ``dsseEnvelope.payload`` is an in-toto
+    statement (base64) whose ``predicate.resources`` list every signed file's ``name`` and sha256
+    ``digest``."""
+    import base64
+    import binascii
+
+    sig, prov_bytes = signed
+    try:
+        bundle = jsonio.loads(sig, "signature", MAX_SIGNATURE)
+        prov = jsonio.loads(prov_bytes, "provenance", MAX_PROVENANCE)
+        payload = bundle["dsseEnvelope"]["payload"] if isinstance(bundle, dict) and \
+            isinstance(bundle.get("dsseEnvelope"), dict) else None
+        statement = jsonio.loads(base64.b64decode(payload, validate=True), "signed statement", MAX_SIGNATURE) \
+            if isinstance(payload, str) else None
+    except (jsonio.BadJson, binascii.Error, ValueError) as e:
+        return f"not a readable signature ({_first_line(e)[:120]})"
+    resources = statement.get("predicate", {}).get("resources") if isinstance(statement, dict) and \
+        isinstance(statement.get("predicate"), dict) else None
+    if not isinstance(resources, list) or not all(isinstance(r, dict) for r in resources):
+        return "not a model-signing signature (no list of signed files)"
+    listed = {str(r.get("name")): r.get("digest") for r in resources}
+    want = {"manifest.json": hashlib.sha256(manifest).hexdigest(), PROVENANCE: hashlib.sha256(prov_bytes).hexdigest()}
+    if listed != want:
+        return "the signature is over another manifest or provenance (moved from another build, or the manifest " \
+               "changed since it was signed)"
+    try:
+        _check_provenance(prov, manifest, "")
+    except GkError:
+        return "the provenance beside it is not about this manifest"
+    return None
 
 
 def _why(reasons: list) -> str:

@@ -21,10 +21,10 @@ from typing import BinaryIO, Iterator
 
 from ..checkpoint import hub
 from ..jsonio import read_bounded
-from ..paths import create as open_new, inside
+from ..paths import create as open_new, file_lock, inside
 from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
-from ..errors import GkError
+from ..errors import GkError, naming
 from .index import NAME, blobs, parse
 
 
@@ -42,6 +42,9 @@ def open_store(uri: str | os.PathLike, staging: Path | None = None, api=None, fs
         return S3Store(s3.parse(text))
     if "://" in text:
         raise GkError(f"{text}: unknown store; give a directory, hf://ORG/NAME[@BRANCH] or s3://BUCKET/PREFIX")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise GkError(f"{text}: exists and is not a folder, so not a store; give a folder (new, or one gkbuild "
+                      f"made), hf://ORG/NAME[@BRANCH] or s3://BUCKET/PREFIX")
     return DirStore(Path(text))
 
 
@@ -78,6 +81,12 @@ def live_blobs(store, index: bytes | None) -> set[str]:
 _PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(?:zst|raw)\.\d+\.partial$")
 
 
+def raced(uri: str) -> str:
+    """Why a publish that lost a race to commit is refused."""
+    return (f"{uri}: another publish committed since this one read the index; nothing of this publish is visible "
+            f"(its blobs stay for the next try): run it again")
+
+
 class DirStore:
     verifies_blobs = True  # a folder can rot or be edited: reused blobs are re-hashed
 
@@ -87,6 +96,7 @@ class DirStore:
         self.root = root
         self.uri = str(root)
         self.concurrency = os.cpu_count() or 1  # CPU-bound (decompress + hash): one file a core
+        self.index_read: bytes | None = None  # the index as ``read_index`` last found it
 
     def _at(self, name: str) -> Path:
         """Where ``name`` lives: never through a symlink inside the store (``blobs/`` or
@@ -94,14 +104,17 @@ class DirStore:
         return inside(self.root, name)
 
     def read_index(self) -> bytes | None:
+        """The publish index as it is now (remembered: ``commit`` replaces only this one)."""
         p = self.root / NAME
+        self.index_read = None
         if not os.path.lexists(p):
             return None
         _regular(p, "the publish index")
         if p.stat().st_size > MAX_INDEX:
             raise GkError(f"{p}: {p.stat().st_size} bytes; a publish index is never over {MAX_INDEX}; refused")
         with open(p, "rb") as f:
-            return f.read(MAX_INDEX + 1)
+            self.index_read = f.read(MAX_INDEX + 1)
+        return self.index_read
 
     @contextlib.contextmanager
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
@@ -128,7 +141,7 @@ class DirStore:
         final = self._at(name)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
         try:
-            with os.fdopen(open_new(tmp), "wb") as f:
+            with naming(final), os.fdopen(open_new(tmp), "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -141,8 +154,15 @@ class DirStore:
         (invisible to readers, reused by the next publish)."""
 
     def commit(self, index: bytes, added: list[str], message: str) -> str:
+        """The index written over exactly the one this publish read (under the store's commit
+        lock): of two concurrent publishes the second to commit is refused, as on S3."""
         fsync_dir(self._at("blobs/x").parent)
-        write_bytes_atomic(self._at(NAME), index)
+        read = self.index_read
+        with file_lock(self.root):  # commits to this folder take turns (a lock on the folder: no file in it)
+            if self.read_index() != read:
+                raise GkError(raced(self.uri))
+            write_bytes_atomic(self._at(NAME), index)
+        self.index_read = index
         return str(self.root / NAME)
 
     def temporaries(self) -> list[str]:
@@ -169,7 +189,7 @@ class DirStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
         try:
-            with os.fdopen(open_new(tmp), "wb") as f:
+            with naming(final), os.fdopen(open_new(tmp), "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
             if not create:
@@ -183,13 +203,19 @@ class DirStore:
             tmp.unlink(missing_ok=True)
         fsync_dir(final.parent)
 
+    def _files(self, folder: str) -> list[os.DirEntry]:
+        """Plain files in ``folder`` (one level), dot names (temporaries) left out."""
+        d = self._at(f"{folder}/x").parent
+        return [e for e in os.scandir(d) if e.is_file(follow_symlinks=False) and not e.name.startswith(".")] \
+            if d.is_dir() else []
+
     def list(self, folder: str) -> dict[str, int]:
         """Plain files in ``folder`` (one level): store-relative name -> size."""
-        d = self._at(f"{folder}/x").parent
-        if not d.is_dir():
-            return {}
-        return {f"{folder}/{e.name}": e.stat().st_size for e in os.scandir(d)
-                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+        return {f"{folder}/{e.name}": e.stat().st_size for e in self._files(folder)}
+
+    def modified(self, folder: str) -> dict[str, float]:
+        """When each plain file in ``folder`` was last written (seconds since the epoch)."""
+        return {f"{folder}/{e.name}": e.stat().st_mtime for e in self._files(folder)}
 
     def delete(self, names: list[str]) -> None:
         for n in names:
@@ -282,7 +308,7 @@ class HubStore:
 
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[BinaryIO]:
-        with open(self.staging / name, "wb") as f:
+        with naming(self.staging / name), open(self.staging / name, "wb") as f:
             yield f
 
     def discard(self) -> None:

@@ -128,3 +128,21 @@ def test_a_bad_executor_is_one_line(bad, tmp_path):
     r = run_cli("farm", str(TINY), "--cache", str(tmp_path / "c"), "--executor", bad)
     assert r.returncode == 1 and r.stderr.strip() == (
         f"gkbuild: error: --executor {bad!r}: expected local, ray, or ray://HOST:PORT")
+
+
+def test_a_vary_cross_product_past_the_limit_is_refused_before_planning(monkeypatch):
+    from gkbuild import plan as gk_plan
+
+    planned = []
+    monkeypatch.setattr(gk_plan, "make_plan", lambda *a: planned.append(a))  # planning must not start
+    hundred = "[" + ", ".join(str(k) for k in range(1, 101)) + "]"
+    vary = [f"tail.k={hundred}", f"decode.max_context={hundred}", f"kv_cache.k_scale={hundred}"]  # 10^6 plans
+    with pytest.raises(GkError, match=r"--vary: 1 x 100 x 100 x 100 .* is 1000000 plans, over the limit of "
+                                      r"1024; split the farm"):
+        plan([TINY], [ONE_LAYER], vary)
+    with pytest.raises(GkError, match=r"2 x 100 x 6 .* is 1200 plans"):  # recipes count too
+        plan([TINY, TINY], [ONE_LAYER], [f"tail.k={hundred}", "tail.emit_logits=[true, false, true, false, true, no]"])
+    assert planned == []
+    r = run_cli("farm", str(TINY), "--cache", "/nonexistent-store", "--vary", vary[0], "--vary", vary[1],
+                "--vary", vary[2], "--list")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "over the limit" in r.stderr

@@ -196,3 +196,12 @@ def test_a_manifest_is_strict_json_both_ways(build):
     (build / mf.NAME).write_text(text)
     with pytest.raises(GkError, match=r"manifest.json: not valid JSON \(NaN is not strict JSON\)"):
         mf.load(build)
+
+
+def test_a_killed_cache_restores_temporary_is_not_reported_by_check_and_goes_with_the_next_compile(build):
+    stale = build / "compiled" / ".decode.pt2.4242.cache.partial"  # a compile-cache restore killed midway
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("torn")
+    assert problems(build) == []  # gkbuild's own temporary, not a file of the build
+    compile_build(recipe.load(TINY), out=build, quiet=True, compile=False)
+    assert not stale.exists() and problems(build) == []

@@ -58,3 +58,23 @@ def test_cli_diff_of_a_build_and_a_store(build, tmp_path):
     assert d["recipe"] == [{"key": "tail.k", "a": 256, "b": 64}]
     r = run_cli("diff", str(build), str(tmp_path / "nothing"))
     assert r.returncode == 1 and r.stderr.startswith("gkbuild: error:") and "no such build folder or store" in r.stderr
+
+
+def test_names_from_a_manifest_reach_the_terminal_shown_not_obeyed(built, build, monkeypatch, capsys):
+    """A recipe value from a (hostile) manifest with terminal escapes or rich markup (paths are
+    held to the schema's characters)."""
+    from gkbuild import cli
+
+    m = mf.load(build)
+    m["recipe"]["resolved"]["source"] = "\x1b]0;owned\x07[red]x"
+    m["recipe"]["resolved"]["\x1b[2J[bold]n"] = 1
+    m["build_id"] = mf.build_id(m)
+    mf.write(build / mf.NAME, m)
+    monkeypatch.setattr(cli, "out", cli.Console(width=300, force_terminal=True))  # as on a terminal
+    try:
+        cli.main(["diff", str(built), str(build)])
+    except SystemExit:
+        pass
+    shown = capsys.readouterr().out
+    assert "\x07" not in shown and "\x1b]0" not in shown and "\x1b[2J" not in shown
+    assert "\\u001b]0;owned\\u0007[red]x" in shown and "\\x1b[2J[bold]n" in shown  # JSON's escapes, and ours

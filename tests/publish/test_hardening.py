@@ -131,3 +131,67 @@ def test_an_oversized_index_is_not_read(store, tmp_path):
         f.truncate(MAX_INDEX + 1)  # sparse: no disk used
     with pytest.raises(GkError, match=r"publish.json: 268435457 bytes; a publish index is never over"):
         fetch(str(s), tmp_path / "d", quiet=True)
+
+
+def test_a_malformed_or_far_future_lease_is_named_blocks_for_a_bounded_time_and_can_be_cleared(build, tmp_path,
+                                                                                             capsys):
+    from gkbuild.publish.leases import SKEW, TTL, Lease
+    from gkbuild.publish.publish import prune_store
+    from gkbuild.publish.stores import open_store
+
+    s = tmp_path / "s"
+    publish(build, str(s), quiet=True)
+    orphan = s / "blobs" / f"{'0' * 64}.raw"  # a blob no index names: what a prune removes
+    orphan.write_text("old")
+    far = s / "leases" / f"{'f' * 32}.json"  # a publish from a clock years ahead, or a hand
+    years = 10 * 365 * 86400
+    far.write_text(json.dumps({"owner": "f" * 32, "host": "skewed", "pid": 7, "expires": time.time() + years}))
+    bad = s / "leases" / f"{'b' * 32}.json"
+    bad.write_text("{not json")
+    capsys.readouterr()
+    store = open_store(s)
+    assert prune_store(store, Lease(store)) == 0 and orphan.exists()  # fresh: both count as publishes in progress
+    err = " ".join(capsys.readouterr().err.split())
+    assert "2 publish(es) in progress hold a lease, leases/bbbb" in err and "malformed" in err
+    assert f"gkbuild leases {s} --clear leases/{'b' * 32}.json" in err
+    r = run_cli("cache", "prune", str(s))  # the compile cache's prune says why it removed nothing, too
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0 and "blobs not pruned: 2 publish(es) in progress hold a lease" in said
+    held = {h["name"]: h for h in json.loads(run_cli("leases", str(s), "--json").stdout)}
+    assert held[f"leases/{far.name}"]["live"] and "beyond any lease" in held[f"leases/{far.name}"]["problem"]
+    assert held[f"leases/{far.name}"]["until"] <= time.time() + TTL + SKEW  # bounded by when it was written
+    old = time.time() - TTL - SKEW - 60  # both written longer ago than a live publish's lease ever is
+    for p in (far, bad):
+        os.utime(p, (old, old))
+    assert prune_store(store, Lease(store)) == 1 and not orphan.exists()
+    assert not far.exists()  # a lease record past its (bounded) expiry: a dead publish's, removed
+    assert bad.read_text() == "{not json"  # not a record gkbuild writes: kept until cleared, but no longer blocking
+    refused = run_cli("leases", str(s), "--clear", "leases/../publish.json")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "not a lease name" in refused.stderr
+    cleared = run_cli("leases", str(s), "--clear", f"leases/{bad.name}")
+    assert cleared.returncode == 0 and not bad.exists() and (s / index.NAME).exists()
+    assert "no leases" in run_cli("leases", str(s)).stderr
+
+
+def test_of_two_publishes_to_one_folder_the_second_to_commit_is_refused_and_a_replacement_is_said(built, build,
+                                                                                               tmp_path, monkeypatch):
+    from gkbuild.publish.stores import DirStore
+
+    s = tmp_path / "s"
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=64"]), out=build, quiet=True, compile=False)
+    real = DirStore.commit
+
+    def raced(self, *a):  # another publish commits between this one's reading the index and its commit
+        monkeypatch.setattr(DirStore, "commit", real)
+        publish(built, str(s), quiet=True)
+        return real(self, *a)
+
+    monkeypatch.setattr(DirStore, "commit", raced)
+    with pytest.raises(GkError, match="another publish committed since this one read the index; nothing of this "
+                                      "publish is visible"):
+        publish(build, str(s), quiet=True)
+    assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(built)["build_id"]  # the first commit stands
+    r = run_cli("publish", str(build), "--to", str(s))  # over the index it reads: replaces the build, says so
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0 and f"it replaces build 'tiny-cpu' {mf.load(built)['build_id'][:16]} " in said
+    assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(build)["build_id"]

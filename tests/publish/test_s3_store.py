@@ -183,3 +183,28 @@ def test_cli_publish_fetch_and_diff_through_s3(built, bucket, tmp_path):
     r = run_cli("fetch", f"s3://{bucket}/none", "--to", str(tmp_path / "e"))
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"gkbuild: error: s3://{bucket}/none: no publish.json (not a gkbuild store, or nothing published there yet)"]
+
+
+def test_a_query_or_odd_character_in_the_location_is_refused_before_anything_is_written(built, bucket):
+    for uri in (f"s3://{bucket}/p?versionId=x", f"s3://{bucket}/p#frag", f"s3://{bucket}/a b", f"s3://{bucket}/p%2F"):
+        with pytest.raises(GkError, match=r"in the prefix: .*expected s3://BUCKET\[/PREFIX\]"):
+            publish(built, uri, quiet=True)
+    assert _fs().find(bucket) == []  # not even a lease under the literal key
+    r = run_cli("compile", str(RECIPES / "tiny-cpu.yaml"), "--cache", f"s3://{bucket}/c?versionId=1", "--out",
+                str(built.parent / "never"))
+    assert r.returncode == 1 and "a query or fragment is not part of a location" in r.stderr
+    assert not (built.parent / "never").exists()
+
+
+def test_an_s3_lease_dated_far_ahead_is_bounded_by_when_the_server_wrote_it(bucket):
+    import json
+    import time
+
+    from gkbuild.publish.leases import SKEW, TTL, leases
+
+    store = S3Store(s3.parse(f"s3://{bucket}/st"))
+    name = f"leases/{'a' * 32}.json"
+    store.put(name, json.dumps({"owner": "a" * 32, "host": "h", "pid": 1, "expires": time.time() + 1e9}).encode())
+    (held,) = leases(store)
+    written = store.modified("leases")[name]
+    assert abs(written - time.time()) < 120 and held.until == written + TTL + SKEW and "beyond" in held.problem

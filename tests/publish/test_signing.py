@@ -277,3 +277,99 @@ def test_keyless_trust_checks_the_workflow_identity_and_fails_cleanly_offline(bu
     assert not (tmp_path / "d").exists()
     # a key entry beside the identity is tried first: a key-signed build needs no network
     assert fetch(str(store), tmp_path / "d", quiet=True, trust=signing.trust_list([keys["ci"][1], who]))
+
+
+# -- issue 27 item 10: what a signature vouches for --------------------------------------------------
+def _flip_a_byte(path) -> None:
+    """An edit in place at the same size (what a size check cannot see)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """gkbuild in this process (no interpreter start): (exit code, stdout, stderr on one line)."""
+    from gkbuild import cli
+
+    capsys.readouterr()
+    try:
+        cli.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def test_verify_signature_checks_a_folders_files_against_the_signed_manifest(build, keys, tmp_path, capsys):
+    store = _signed_store(build, keys, tmp_path)
+    code, _, err = _cli(capsys, "verify-signature", str(build), "--trust", keys["ci"][1])
+    assert code == 0 and f"its {len(mf.load(build)['files'])} files match the signed manifest" in " ".join(err.split())
+    code, out, _ = _cli(capsys, "verify-signature", str(store), "--trust", keys["ci"][1], "--json")
+    assert code == 0 and json.loads(out)["files_checked"] is None  # a store: nothing fetched
+    code, _, err = _cli(capsys, "verify-signature", str(store), "--trust", keys["ci"][1])
+    assert "gkbuild fetch checks each" in " ".join(err.split())
+    shard = build / "weights" / "attn-tp0.safetensors"
+    _flip_a_byte(shard)
+    code, _, err = _cli(capsys, "verify-signature", str(build), "--trust", keys["ci"][1])
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert "the signature is good, but a file is not what it signed" in err and str(shard) in err
+
+
+def test_under_trust_each_verify_mode_guarantees_what_its_docstring_says(build, keys, tmp_path):
+    _signed_store(build, keys, tmp_path)
+    _flip_a_byte(build / "weights" / "attn-tp0.safetensors")
+    with pytest.raises(GkError, match="attn-tp0.safetensors: refused: sha256"):
+        Build.open(build, trust=[keys["ci"][1]]).load_rank(0)  # "hash": only the signed bytes load
+    with pytest.raises(GkError, match="attn-tp0.safetensors: refused: sha256"):
+        Build.open(build, trust=[keys["ci"][1]]).verify_files()
+    b = Build.open(build, trust=[keys["ci"][1]], verify="size")  # "size": the signed sizes only, as documented
+    assert b.signature.by.key is not None and b.load_rank(0)
+    (build / "weights" / "attn-tp0.safetensors").write_bytes(b"short")
+    with pytest.raises(GkError, match="5 bytes, the manifest says"):
+        Build.open(build, trust=[keys["ci"][1]], verify="size").load_rank(0)
+    assert "size" in Build.open.__doc__ and "edited at the same size loads" in " ".join(Build.open.__doc__.split())
+
+
+def test_a_signature_carried_in_from_another_build_is_not_republished(built, build, keys, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=64"]), out=other, quiet=True, compile=False)
+    _signed_store(other, keys, tmp_path, "other-store")  # a genuine signature, of another build
+    for name in ("manifest.sig", "provenance.json"):
+        shutil.copy(other / name, build / name)
+    capsys.readouterr()
+    rep = publish(build, str(tmp_path / "store"), quiet=True)  # no --sign: the carried signature is checked
+    err = " ".join(capsys.readouterr().err.split())
+    assert "manifest.sig: the signature is over another manifest or provenance" in err and "unsigned" in err
+    idx = json.loads((tmp_path / "store" / index.NAME).read_text())
+    assert not set(index.SIGNED) & idx.keys() and rep["build_id"] == mf.load(build)["build_id"]
+    assert (build / "manifest.sig").exists()  # not gkbuild's to delete
+    _fetch_refused(tmp_path / "store", keys, tmp_path, "not signed")
+    publish(build, str(tmp_path / "store2"), quiet=True, sign=keys["ci"][0])  # its own signature is republished
+    assert signing.mismatch(mf.read_bytes(build), signing.read_folder(build)) is None
+    (build / "provenance.json").write_text("{}")  # but not beside another provenance
+    assert "over another manifest or provenance" in signing.mismatch(mf.read_bytes(build), signing.read_folder(build))
+
+
+@pytest.mark.parametrize("kind", ["rsa", "ed25519", "secp256k1"])
+def test_keys_model_signing_cannot_use_are_refused_in_one_line(build, tmp_path, kind):
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+    k = {"rsa": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
+         "ed25519": ed25519.Ed25519PrivateKey.generate,
+         "secp256k1": lambda: ec.generate_private_key(ec.SECP256K1())}[kind]()
+    pub, pem = tmp_path / "k.pub", tmp_path / "k.pem"
+    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM,
+                                                serialization.PublicFormat.SubjectPublicKeyInfo))
+    pem.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
+    said = {"rsa": "an RSA key", "ed25519": "an Ed25519 key", "secp256k1": "an elliptic-curve key on secp256k1"}[kind]
+    why = f"{said}; model-signing signs and verifies with elliptic-curve keys on P-256, P-384 or P-521 only"
+    _refused(why, signing.trust_list, [str(pub)])
+    _refused(why, Build.open, build, trust=[str(pub)])
+    _refused(why, publish, build, str(tmp_path / "store"), quiet=True, sign=str(pem))
+    assert not (tmp_path / "store").exists() and not (build / "manifest.sig").exists()
+    r = run_cli("verify-signature", str(build), "--trust", str(pub))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and why in " ".join(r.stderr.split())
+    assert "keyless" not in r.stderr.split(";")[0]
