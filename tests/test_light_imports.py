@@ -37,3 +37,17 @@ def test_a_no_op_compile_imports_nothing_heavy(tmp_path):
 def test_planning_a_farm_imports_nothing_heavy(tmp_path):
     assert _imported("farm", str(RECIPES / "tiny-cpu.yaml"), str(RECIPES / "tiny-topology-trn2.yaml"),
                      "--cache", str(tmp_path / "c"), "--list", "--json") == []
+
+
+def test_building_mxfp4_shards_imports_no_ml_dtypes(topo_ckpt, tmp_path):
+    """Shards move bf16 as u16 bits: neither the build nor any of its workers imports ml_dtypes
+    (0.6 s of start-up). ``-X importtime`` is inherited by the forked workers and reports theirs.
+    (The checkpoint exists already: synthesizing one does use ml_dtypes.)"""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gkbuild", "compile",
+                        str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(tmp_path / "b"), "--no-compile", "-q",
+                        "--set", f"source={topo_ckpt}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "b" / "manifest.json").exists()
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "gkbuild.pipeline.emit" in imported
+    assert not [m for m in imported if m.split(".")[0] == "ml_dtypes"]

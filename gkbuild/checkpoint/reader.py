@@ -32,10 +32,11 @@ class Checkpoint:
     extras: list[str] = field(default_factory=list)  # tensors present but not expected
     _maps: dict[str, MappedFile] = field(default_factory=dict, repr=False)
     _checked: set = field(default_factory=set, repr=False)  # (name, lo, hi) already checked
+    plain: bool = False  # bf16 tensors read as their u16 bits (a build: no ml_dtypes import)
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
-    def open(cls, root: Path | str) -> "Checkpoint":
+    def open(cls, root: Path | str, plain: bool = False) -> "Checkpoint":
         root = Path(root)
         if not root.is_dir():
             raise GkError(f"{root}: not a checkpoint folder")
@@ -56,7 +57,7 @@ class Checkpoint:
                 if where[name].file.name != f:
                     raise GkError(f"{root / INDEX}: tensor {name} is listed in {f} but lives in "
                                   f"{where[name].file.name}")
-        ck = cls(root, config, headers, where)
+        ck = cls(root, config, headers, where, plain=plain)
         ck._validate()
         return ck
 
@@ -83,7 +84,7 @@ class Checkpoint:
     def _map(self, info: TensorInfo) -> MappedFile:
         key = info.file.name
         if key not in self._maps:
-            self._maps[key] = MappedFile(self.headers[key])
+            self._maps[key] = MappedFile(self.headers[key], plain=self.plain)
         return self._maps[key]
 
     def read(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:

@@ -123,16 +123,18 @@ class MappedFile:
     wants those) while the file is never modified and unwritten pages stay shared.
     """
 
-    def __init__(self, header: Header, private: bool = False):
+    def __init__(self, header: Header, private: bool = False, plain: bool = False):
         self.header = header
+        self.plain = plain  # bf16 (fp8) views as their unsigned-int bits: no ml_dtypes (``DType.plain``)
         self._fd = os.open(header.path, os.O_RDONLY)
         access = mmap.ACCESS_COPY if private else mmap.ACCESS_READ
         self._mm = mmap.mmap(self._fd, 0, access=access) if header.size else None
 
     def array(self, info: TensorInfo) -> np.ndarray:
+        dt = info.dtype.plain if self.plain else info.dtype.numpy
         if info.nbytes == 0:
-            return np.empty(info.shape, dtype=info.dtype.numpy)
-        return np.frombuffer(self._mm, dtype=info.dtype.numpy, count=math.prod(info.shape),
+            return np.empty(info.shape, dtype=dt)
+        return np.frombuffer(self._mm, dtype=dt, count=math.prod(info.shape),
                              offset=info.offset).reshape(info.shape)
 
     # A page fault maps neighbouring cached pages too (fault-around, 64 KiB by default), so a
@@ -271,8 +273,7 @@ class SafetensorsWriter:
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
         spec = self.specs[name]
-        dt = dtypes.dtype(spec.dtype).numpy
-        if data.dtype != dt:
+        if not dtypes.dtype(spec.dtype).holds(data.dtype):
             raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 

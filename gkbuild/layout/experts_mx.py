@@ -83,7 +83,7 @@ def gate_up_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
 def gate_up_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF gate_up_proj_bias [E_L, 2I] -> [E_L, P_I, 2, Ip/512, 4] fp32, +1 folded into up."""
     E_L = bias.shape[0]
-    b = _pad_gate_up(dims, bias).astype(np.float32).reshape(E_L, dims.Ip, 2)
+    b = arrays.f32(_pad_gate_up(dims, bias)).reshape(E_L, dims.Ip, 2)
     b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
     return np.ascontiguousarray(b.reshape(E_L, dims.Ip // MX_TILE, dims.P_I, 4, 2).transpose(0, 2, 4, 1, 3))
 
@@ -130,7 +130,7 @@ def down_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
 
 def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF down_proj_bias [E_L, H] -> [E_L, Hp] fp32 in kernel lanes."""
-    return hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+    return hidden.to_kernel(arrays.f32(bias), 1, dims.Hp)
 
 
 def down(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):

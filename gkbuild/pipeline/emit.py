@@ -80,7 +80,7 @@ def _report(n: int, task: str = "shards") -> None:
 
 def _checkpoint(root: str) -> Checkpoint:
     if root not in _ck:
-        _ck[root] = Checkpoint.open(root)
+        _ck[root] = Checkpoint.open(root, plain=True)  # bf16 as u16 bits: no ml_dtypes in a build
     return _ck[root]
 
 
@@ -145,7 +145,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
             ck.release(names.EMBED, r0, r1)
             yield embedding.hidden_shard(block, index, d.tp) if ctx.embedding == "hidden" else block
         if ctx.embedding == "vocab" and hi - lo < rows:  # the last rank's rows past V
-            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").numpy)
+            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").plain)
 
     return {"embed_tokens" if ctx.embedding == "host" else "embed_weight": table}
 
