@@ -5,7 +5,8 @@ Each round, in an order that starts one run later every round (so no run always 
 -r SRC COPY && sync`; a build with this tree into a fresh folder (warm: the
 source's fingerprints remembered, as for any hub source or a second recipe on the checkpoint;
 cold: forgotten, so the build also hashes the 5.4 GiB source); with `--baseline DIR`, the same
-builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run.
+builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run,
+and every shard's sha256 compared between the two trees' builds (the bytes must not change).
 CPU seconds are the build's whole process tree (wait4: the parent and its reaped workers). On a
 shared machine wall times follow the load (a CPU-bound build is slowed by other processes far
 more than a disk-bound cp); the CPU seconds do not, and the run reports the load.
@@ -62,6 +63,7 @@ def main() -> None:
     trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
     res: dict[str, list] = {}
     loads = []
+    shas: dict[str, dict] = {}  # tree -> {path: sha256} of its last build
 
     def build(tree: Path, kind: str, out: Path):
         if kind == "cold":
@@ -85,6 +87,8 @@ def main() -> None:
                 continue
             wall, cpu, js, rss = build(trees[run[0]], run[1], d / "build")
             shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
+            files = json.loads((d / "build" / "manifest.json").read_text())["files"]
+            shas[run[0]] = {f["path"]: f["sha256"] for f in files}
             res.setdefault(f"{run[0]} {run[1]}", []).append([wall, cpu, shards, r, rss])
         loads.append(os.getloadavg()[0])
     for name, rows in res.items():
@@ -110,6 +114,11 @@ def main() -> None:
         ratios = sorted(r[3] for r in rows)
         print(f"| build, {name} | {w:.2f} s | {w / cp_wall:.2f}x | {ratios[0]:.2f}-{ratios[-1]:.2f}x | {s:.2f} s "
               f"| {c:.1f} | {c / (outsize / 2**30):.2f} | {c / 2 / cp_wall:.2f}x | {gib(max(r[4] for r in rows))} |")
+    if len(shas) == 2:
+        a, b = shas.values()
+        differ = sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
+        print(f"\nfiles of the two trees' builds: {len(a)} and {len(b)}; sha256 identical: "
+              f"{'all' if not differ else f'NO, {len(differ)} differ: {differ[:5]}'}")
     shutil.rmtree(d, ignore_errors=True)
 
 
