@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .. import jsonio
 from ..errors import GkError
 from ..model import GptOssConfig
 from . import names
-from .mxfp4 import check_scales
 from .safetensors_io import Header, MappedFile, TensorInfo, read_header
 
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where tensors are read: a no-op build only lists the weight files.
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -101,6 +103,8 @@ class Checkpoint:
         row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
         m.populate(info.offset + (lo or 0) * row, arr.nbytes)
         if (name, lo, hi) not in self._checked:  # the reference reads a layer's tensors once a pass
+            from .mxfp4 import check_scales
+
             where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             if name.endswith("_scales"):
                 check_scales(arr, where)
@@ -121,6 +125,8 @@ class Checkpoint:
 
     def deep_check(self, advance=lambda n: None) -> None:
         """Read every byte once (file order, pages released as it goes): NaN scales, non-finite floats."""
+        import numpy as np
+
         for info in sorted(self.where.values(), key=lambda i: (i.file.name, i.offset)):
             arr = self.read(info.name)
             if info.dtype.name in ("bf16", "fp16", "fp32"):
@@ -153,6 +159,8 @@ def check_finite_bf16(arr: np.ndarray, where: str) -> None:
     """A bf16 NaN or infinity (exponent bits all ones) means a corrupt or diverged checkpoint:
     refused where it is read, so a build never carries one into its shards. Checked in 8 MiB
     pieces: the temporary stays small whatever the tensor."""
+    import numpy as np
+
     bits = np.asarray(arr).view(np.uint16).reshape(-1)
     step = 4 << 20
     for start in range(0, bits.size, step):

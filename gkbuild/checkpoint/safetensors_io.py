@@ -18,13 +18,16 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .. import dtypes, jsonio
 from . import direct_io
 from ..errors import GkError, shown
 
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where arrays are made: planning needs only the specs and headers.
 _MAX_HEADER = 100 * 1024 * 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
@@ -131,6 +134,8 @@ class MappedFile:
         self._mm = mmap.mmap(self._fd, 0, access=access) if header.size else None
 
     def array(self, info: TensorInfo) -> np.ndarray:
+        import numpy as np
+
         dt = info.dtype.plain if self.plain else info.dtype.numpy
         if info.nbytes == 0:
             return np.empty(info.shape, dtype=dt)
@@ -272,6 +277,8 @@ class SafetensorsWriter:
         self._count(name, len(buf))
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
+        import numpy as np
+
         spec = self.specs[name]
         if not dtypes.dtype(spec.dtype).holds(data.dtype):
             raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")

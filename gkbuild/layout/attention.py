@@ -102,7 +102,3 @@ def sink(dims: Dims, t: int, sinks: np.ndarray) -> np.ndarray:
 def sink_inverse(shards: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([s[:, 0] for s in shards])
 
-
-def softmax_scale(d: int, k_scale: float = 1.0) -> float:
-    """1/sqrt(d) with the FP8 K dequant scale folded in (the kernel reads raw FP8 K)."""
-    return float(np.float32(d ** -0.5) * np.float32(k_scale))

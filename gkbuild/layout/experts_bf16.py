@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import dtype
 from . import arrays, hidden
 from .dims import Dims
-from .experts_mx import UP_BIAS_SHIFT
+from .scalars import UP_BIAS_SHIFT
 
 
 def gate_up_weights(dims: Dims, w: np.ndarray) -> np.ndarray:

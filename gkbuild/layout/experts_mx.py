@@ -24,8 +24,7 @@ import numpy as np
 
 from . import arrays, hidden
 from .dims import MX_TILE, P_MAX, Dims
-
-UP_BIAS_SHIFT = 1.0
+from .scalars import UP_BIAS_SHIFT
 
 
 def pi(Ip: int, P_I: int) -> np.ndarray:
@@ -146,8 +145,3 @@ def down_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_d
     scales = hidden.unpad(hidden.from_kernel(s, 1, dims.H), 2, dims.I // 32)
     return blocks, scales, hidden.from_kernel(B, 1, dims.H).astype(bias_dtype)
 
-
-def clamps(limit: float) -> dict[str, float]:
-    """The kernel's clamp scalars once +1 is folded into the up bias."""
-    return {"gate_clamp_upper_limit": limit, "up_clamp_upper_limit": limit + UP_BIAS_SHIFT,
-            "up_clamp_lower_limit": -limit + UP_BIAS_SHIFT}
