@@ -22,27 +22,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import gib, median  # noqa: E402
+from _measure import gib, median, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(cmd: list[str], **kw) -> tuple[float, float, str, int]:
-    """(wall, CPU seconds of the process tree, stdout, peak RSS of its largest process in bytes),
-    after a sync (no earlier dirty pages on our clock)."""
-    os.sync()
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
-    out = p.stdout.read()
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{cmd} failed")
-    return wall, ru.ru_utime + ru.ru_stime, out, ru.ru_maxrss << 10
 
 
 def main() -> None:
