@@ -53,7 +53,7 @@ def main() -> None:
         return timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
 
     build(ROOT, "cold", d / "build")  # untimed: synthesizes the source; its fingerprints, the page cache
-    ck = next((d / "cache" / "synth").iterdir())  # the source the builds read, what cp copies
+    ck = next(p for p in (d / "cache" / "synth").iterdir() if p.is_dir())  # the source the builds read: cp copies it
     size = sum(p.stat().st_size for p in ck.iterdir())
     outsize = sum(p.stat().st_size for p in (d / "build").rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
     runs = ["cp"] + [(name, kind) for name in trees for kind in ("warm", "cold")]
