@@ -66,6 +66,20 @@ def run_cpu(cmd: list[str], **kw) -> dict:
             "load": (before, os.getloadavg()[0])}
 
 
+def timed(cmd: list[str], **kw) -> tuple[float, float, str, int]:
+    """(wall, CPU seconds of the process tree, stdout, peak RSS of its largest process in bytes),
+    after a sync (no earlier dirty pages on our clock)."""
+    os.sync()
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{cmd} failed")
+    return wall, ru.ru_utime + ru.ru_stime, out, ru.ru_maxrss << 10
+
+
 def cp_then_sync(src: str, dst: str) -> tuple[float, int]:
     """The baseline: copy the same bytes to the same disk, flushed (gkbuild fsyncs its outputs)."""
     return run(["sh", "-c", f'cp -r "{src}" "{dst}" && sync'])

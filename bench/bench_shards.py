@@ -5,7 +5,8 @@ Each round, in an order that starts one run later every round (so no run always 
 -r SRC COPY && sync`; a build with this tree into a fresh folder (warm: the
 source's fingerprints remembered, as for any hub source or a second recipe on the checkpoint;
 cold: forgotten, so the build also hashes the 5.4 GiB source); with `--baseline DIR`, the same
-builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run.
+builds with the gkbuild of another checkout (e.g. /work/main), for a before/after in the same run,
+and every shard's sha256 compared between the two trees' builds (the bytes must not change).
 CPU seconds are the build's whole process tree (wait4: the parent and its reaped workers). On a
 shared machine wall times follow the load (a CPU-bound build is slowed by other processes far
 more than a disk-bound cp); the CPU seconds do not, and the run reports the load.
@@ -19,29 +20,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import gib, median  # noqa: E402
+from _measure import gib, median, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(cmd: list[str], **kw) -> tuple[float, float, str, int]:
-    """(wall, CPU seconds of the process tree, stdout, peak RSS of its largest process in bytes),
-    after a sync (no earlier dirty pages on our clock)."""
-    os.sync()
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
-    out = p.stdout.read()
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{cmd} failed")
-    return wall, ru.ru_utime + ru.ru_stime, out, ru.ru_maxrss << 10
 
 
 def main() -> None:
@@ -55,13 +40,10 @@ def main() -> None:
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     env = dict(os.environ, GKBUILD_CACHE=str(d / "cache"))
-    ck = d / "cache" / "synth" / f"gpt-oss-120b-L{a.layers}-s0-v1"
-    subprocess.run([sys.executable, "-m", "gkbuild", "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q",
-                    "--out", str(ck)], env=env, check=True)
-    size = sum(p.stat().st_size for p in ck.iterdir())
     trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
     res: dict[str, list] = {}
     loads = []
+    shas: dict[str, dict] = {}  # tree -> {path: sha256} of its last build
 
     def build(tree: Path, kind: str, out: Path):
         if kind == "cold":
@@ -70,7 +52,9 @@ def main() -> None:
                "--out", str(out), "--no-compile", "--json", "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
         return timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
 
-    build(ROOT, "cold", d / "build")  # untimed: the source's fingerprints, the page cache
+    build(ROOT, "cold", d / "build")  # untimed: synthesizes the source; its fingerprints, the page cache
+    ck = next(p for p in (d / "cache" / "synth").iterdir() if p.is_dir())  # the source the builds read: cp copies it
+    size = sum(p.stat().st_size for p in ck.iterdir())
     outsize = sum(p.stat().st_size for p in (d / "build").rglob("*") if p.is_file() and ".gkbuild" not in p.parts)
     runs = ["cp"] + [(name, kind) for name in trees for kind in ("warm", "cold")]
     for r in range(a.repeat):
@@ -85,6 +69,8 @@ def main() -> None:
                 continue
             wall, cpu, js, rss = build(trees[run[0]], run[1], d / "build")
             shards = next(s["seconds"] for s in json.loads(js)["stages"] if s["name"] == "shards")
+            files = json.loads((d / "build" / "manifest.json").read_text())["files"]
+            shas[run[0]] = {f["path"]: f["sha256"] for f in files}
             res.setdefault(f"{run[0]} {run[1]}", []).append([wall, cpu, shards, r, rss])
         loads.append(os.getloadavg()[0])
     for name, rows in res.items():
@@ -110,6 +96,11 @@ def main() -> None:
         ratios = sorted(r[3] for r in rows)
         print(f"| build, {name} | {w:.2f} s | {w / cp_wall:.2f}x | {ratios[0]:.2f}-{ratios[-1]:.2f}x | {s:.2f} s "
               f"| {c:.1f} | {c / (outsize / 2**30):.2f} | {c / 2 / cp_wall:.2f}x | {gib(max(r[4] for r in rows))} |")
+    if len(shas) == 2:
+        a, b = shas.values()
+        differ = sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
+        print(f"\nfiles of the two trees' builds: {len(a)} and {len(b)}; sha256 identical: "
+              f"{'all' if not differ else f'NO, {len(differ)} differ: {differ[:5]}'}")
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -1,7 +1,7 @@
 """One table of the dtypes gkbuild handles, under each library's name for them.
 
 gkbuild's own names (``bf16``, ``u16``, ``fp8_e4m3``...) appear in plans and manifests; numpy
-carries bf16 and fp8 through ml_dtypes; safetensors has its own codes.
+carries bf16 and fp8 through ml_dtypes (or as their bits: ``plain``); safetensors has its own codes.
 
 The numpy dtype is looked up on first use: importing ml_dtypes registers its types with numpy
 (~0.6 s here), and planning, the cached stages of a no-op compile and ``farm`` need only names
@@ -27,6 +27,17 @@ class DType:
     @property
     def numpy(self):
         return _numpy_dtype(self._numpy)
+
+    @property
+    def plain(self):
+        """numpy's own dtype for these bytes: the type itself where numpy has it, else (bf16, fp8)
+        unsigned ints of its width. A build moves bf16 as its u16 bits and never imports ml_dtypes
+        (0.6 s of start-up)."""
+        return _numpy_dtype(self._numpy if self._numpy.startswith("numpy:") else f"numpy:uint{8 * self.itemsize}")
+
+    def holds(self, dt) -> bool:
+        """Whether numpy dtype ``dt`` is this type, as itself or as its :attr:`plain` bits."""
+        return dt == self.plain or dt.name == self._numpy.split(":")[1]
 
 
 @functools.cache

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from .checkpoint.safetensors_io import TensorSpec
 from .dtypes import dtype as dtype_of
 from .errors import GkError
-from .layout import attention, embedding, experts_mx, kv as kvlayout, tail, topology
+from .layout import kv as kvlayout, tail, topology
 from .layout.dims import MX_TILE, P_MAX, Dims
+from .layout.scalars import clamps, softmax_scale, vocab_rows
 from .model import GptOssConfig
 from .recipe import Recipe
 
@@ -71,7 +72,7 @@ def arg_specs(d: Dims, experts: str, embed: str = "host", rope: str = "host") ->
             T("expert_down_bias", "fp32", (L, E_L, Hp)),
         ]
     embed = {"host": T("embed_tokens", "bf16", (d.V, Hp)),
-             "vocab": T("embed_weight", "bf16", (embedding.vocab_rows(d.V, d.tp), Hp)),
+             "vocab": T("embed_weight", "bf16", (vocab_rows(d.V, d.tp), Hp)),
              "hidden": T("embed_weight", "bf16", (d.V, Hp // d.tp))}[embed]
     return {"shared": shared, "attn": attn, "expert": expert, "tail": [T("lm_head_weight_t", "bf16", (Hp, d.V_s))],
             "embed": [embed]}
@@ -259,11 +260,14 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
     emb = recipe.decode.embedding
     specs = arg_specs(d, recipe.experts, emb, recipe.decode.rope)
     counts = {"shared": 1, "attn": t.tp, "expert": t.ep, "tail": t.vtp, "embed": 1 if emb == "host" else t.tp}
-    member = {"shared": lambda c, i: True, "attn": lambda c, i: c.tp == i,
-              "expert": lambda c, i: c.ep == i, "tail": lambda c, i: c.vtp == i,
-              "embed": (lambda c, i: True) if emb == "host" else (lambda c, i: c.tp == i)}
-    files = [ShardFile(shard_path(role, i, emb), role, i, tuple(specs[role]),
-                       tuple(c.rank for c in ranks if member[role](c, i)), device=(role, emb) != ("embed", "host"))
+    index_of = {"shared": lambda c: 0, "attn": lambda c: c.tp, "expert": lambda c: c.ep, "tail": lambda c: c.vtp,
+                "embed": (lambda c: 0) if emb == "host" else (lambda c: c.tp)}
+    holders: dict[tuple[str, int], list[int]] = {}  # (role, index) -> the ranks that load that file, in order
+    for c in ranks:
+        for role in ROLES:
+            holders.setdefault((role, index_of[role](c)), []).append(c.rank)
+    files = [ShardFile(shard_path(role, i, emb), role, i, tuple(specs[role]), tuple(holders.get((role, i), ())),
+                       device=(role, emb) != ("embed", "host"))
              for role in ROLES for i in range(counts[role])]
     kvc = recipe.kv_cache
     where = recipe.path or "recipe"
@@ -271,7 +275,13 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                            block_size=kvc.block_size, head_dim=cfg.d, dtype=recipe.kv_dtype,
                            itemsize=dtype_of(recipe.kv_dtype).itemsize, packed=kvc.packed)
     cap = kv.max_num_blocks()
-    weights = max(sum(f.nbytes for f in files if f.device and c.rank in f.ranks) for c in ranks)
+    on_device = dict.fromkeys((c.rank for c in ranks), 0)  # weight bytes each rank's device loads
+    for f in files:
+        if f.device:
+            n = f.nbytes
+            for r in f.ranks:
+                on_device[r] += n
+    weights = max(on_device.values())
     budget = kv_budget(recipe, kv.entries * 2 * kv.block_bytes, weights, sum(f.nbytes for f in files if not f.device),
                        cap)
     kv = dataclasses.replace(kv, num_blocks=budget["num_blocks"])
@@ -285,8 +295,8 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
     scalars = {
         "num_layers": cfg.L, "tp_size": t.tp, "ep_size": t.ep, "top_k": cfg.top_k,
         "eps": cfg.rms_norm_eps, "hidden_actual": cfg.H, "hidden_padded": d.Hp,
-        "softmax_scale": attention.softmax_scale(cfg.d, kvc.k_scale if fp8 else 1.0),
-        **experts_mx.clamps(cfg.swiglu_limit),
+        "softmax_scale": softmax_scale(cfg.d, kvc.k_scale if fp8 else 1.0),
+        **clamps(cfg.swiglu_limit),
         "k_scale": 1.0 / kvc.k_scale if fp8 else None, "v_scale": 1.0 / kvc.v_scale if fp8 else None,
         "sliding_window": cfg.sliding_window,
         # block-table widths, compile-time shapes: the full table spans max_context tokens; the
@@ -300,7 +310,7 @@ def make_plan(recipe: Recipe, cfg: GptOssConfig) -> Plan:
                  "mode": recipe.decode.rope},
         # the fused-RoPE kernel scalar (cos and sin are multiplied by it); None when the host passes cos/sin
         "rope_concentration": cfg.rope.concentration if recipe.decode.rope == "fused" else None,
-        "embedding": {"placement": emb, **({"rows_per_rank": embedding.vocab_rows(d.V, t.tp)} if emb == "vocab"
+        "embedding": {"placement": emb, **({"rows_per_rank": vocab_rows(d.V, t.tp)} if emb == "vocab"
                                            else {"lanes_per_rank": d.Hp // t.tp} if emb == "hidden" else {})},
         "batch": {str(b): {"B": b, "B_attn": b // t.dp, "T_shard": b // t.world, "T_ep": b, "R": b // t.vtp}
                   for b in recipe.decode.batch_sizes},

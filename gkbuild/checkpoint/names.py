@@ -6,7 +6,6 @@ Everything that reads or writes a GPT-OSS checkpoint asks this module what shoul
 from __future__ import annotations
 
 from ..model import GptOssConfig
-from .mxfp4 import BLOCK
 from .safetensors_io import TensorSpec
 
 EMBED = "model.embed_tokens.weight"
@@ -20,6 +19,8 @@ def layer_prefix(layer: int) -> str:
 
 def layer_specs(cfg: GptOssConfig, layer: int) -> list[TensorSpec]:
     """One layer's tensors, in the order a checkpoint keeps them (attention, then MoE)."""
+    from .mxfp4 import BLOCK  # (numpy with it: imported when specs are listed, not by a no-op build)
+
     H, I, E, d = cfg.H, cfg.I, cfg.E, cfg.d
     q, kv = cfg.q_heads * d, cfg.kv_heads * d
     p = layer_prefix(layer)

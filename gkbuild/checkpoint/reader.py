@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .. import jsonio
 from ..errors import GkError
 from ..model import GptOssConfig
 from . import names
-from .mxfp4 import check_scales
 from .safetensors_io import Header, MappedFile, TensorInfo, read_header
 
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where tensors are read: a no-op build only lists the weight files.
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -32,10 +34,11 @@ class Checkpoint:
     extras: list[str] = field(default_factory=list)  # tensors present but not expected
     _maps: dict[str, MappedFile] = field(default_factory=dict, repr=False)
     _checked: set = field(default_factory=set, repr=False)  # (name, lo, hi) already checked
+    plain: bool = False  # bf16 tensors read as their u16 bits (a build: no ml_dtypes import)
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
-    def open(cls, root: Path | str) -> "Checkpoint":
+    def open(cls, root: Path | str, plain: bool = False) -> "Checkpoint":
         root = Path(root)
         if not root.is_dir():
             raise GkError(f"{root}: not a checkpoint folder")
@@ -56,7 +59,7 @@ class Checkpoint:
                 if where[name].file.name != f:
                     raise GkError(f"{root / INDEX}: tensor {name} is listed in {f} but lives in "
                                   f"{where[name].file.name}")
-        ck = cls(root, config, headers, where)
+        ck = cls(root, config, headers, where, plain=plain)
         ck._validate()
         return ck
 
@@ -83,7 +86,7 @@ class Checkpoint:
     def _map(self, info: TensorInfo) -> MappedFile:
         key = info.file.name
         if key not in self._maps:
-            self._maps[key] = MappedFile(self.headers[key])
+            self._maps[key] = MappedFile(self.headers[key], plain=self.plain)
         return self._maps[key]
 
     def read(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
@@ -100,6 +103,8 @@ class Checkpoint:
         row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
         m.populate(info.offset + (lo or 0) * row, arr.nbytes)
         if (name, lo, hi) not in self._checked:  # the reference reads a layer's tensors once a pass
+            from .mxfp4 import check_scales
+
             where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             if name.endswith("_scales"):
                 check_scales(arr, where)
@@ -120,6 +125,8 @@ class Checkpoint:
 
     def deep_check(self, advance=lambda n: None) -> None:
         """Read every byte once (file order, pages released as it goes): NaN scales, non-finite floats."""
+        import numpy as np
+
         for info in sorted(self.where.values(), key=lambda i: (i.file.name, i.offset)):
             arr = self.read(info.name)
             if info.dtype.name in ("bf16", "fp16", "fp32"):
@@ -152,6 +159,8 @@ def check_finite_bf16(arr: np.ndarray, where: str) -> None:
     """A bf16 NaN or infinity (exponent bits all ones) means a corrupt or diverged checkpoint:
     refused where it is read, so a build never carries one into its shards. Checked in 8 MiB
     pieces: the temporary stays small whatever the tensor."""
+    import numpy as np
+
     bits = np.asarray(arr).view(np.uint16).reshape(-1)
     step = 4 << 20
     for start in range(0, bits.size, step):

@@ -18,13 +18,16 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .. import dtypes, jsonio
 from . import direct_io
 from ..errors import GkError, shown
 
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where arrays are made: planning needs only the specs and headers.
 _MAX_HEADER = 100 * 1024 * 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
@@ -123,16 +126,20 @@ class MappedFile:
     wants those) while the file is never modified and unwritten pages stay shared.
     """
 
-    def __init__(self, header: Header, private: bool = False):
+    def __init__(self, header: Header, private: bool = False, plain: bool = False):
         self.header = header
+        self.plain = plain  # bf16 (fp8) views as their unsigned-int bits: no ml_dtypes (``DType.plain``)
         self._fd = os.open(header.path, os.O_RDONLY)
         access = mmap.ACCESS_COPY if private else mmap.ACCESS_READ
         self._mm = mmap.mmap(self._fd, 0, access=access) if header.size else None
 
     def array(self, info: TensorInfo) -> np.ndarray:
+        import numpy as np
+
+        dt = info.dtype.plain if self.plain else info.dtype.numpy
         if info.nbytes == 0:
-            return np.empty(info.shape, dtype=info.dtype.numpy)
-        return np.frombuffer(self._mm, dtype=info.dtype.numpy, count=math.prod(info.shape),
+            return np.empty(info.shape, dtype=dt)
+        return np.frombuffer(self._mm, dtype=dt, count=math.prod(info.shape),
                              offset=info.offset).reshape(info.shape)
 
     # A page fault maps neighbouring cached pages too (fault-around, 64 KiB by default), so a
@@ -270,9 +277,10 @@ class SafetensorsWriter:
         self._count(name, len(buf))
 
     def _bytes(self, name: str, data: np.ndarray) -> memoryview:
+        import numpy as np
+
         spec = self.specs[name]
-        dt = dtypes.dtype(spec.dtype).numpy
-        if data.dtype != dt:
+        if not dtypes.dtype(spec.dtype).holds(data.dtype):
             raise GkError(f"{self.path.name}: tensor {name} expects {spec.dtype}, got {data.dtype}")
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 

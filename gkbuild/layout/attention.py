@@ -59,7 +59,7 @@ def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarr
     w = arrays.transpose(hidden.to_kernel(cols, 0, dims.Hp))
     if v_scale != 1.0:
         with np.errstate(over="ignore", under="ignore"):  # judged below, in one line
-            folded = (w.astype(np.float32) * np.float32(v_scale)).astype(w.dtype)
+            folded = arrays.like_bf16(arrays.f32(w) * np.float32(v_scale), w)
         check_fold(w, folded, f"W_out with kv_cache.v_scale {v_scale!r} folded in")
         w = folded
     return w
@@ -68,12 +68,12 @@ def w_out(dims: Dims, t: int, o_w: np.ndarray, v_scale: float = 1.0) -> np.ndarr
 def check_fold(before: np.ndarray, after: np.ndarray, what: str) -> None:
     """A fold of a scale into weights must stay in the weights' range: every value finite, and no
     value that was not zero flushed to zero (an extreme scale would make a build of inf, NaN or
-    zeros that loads and runs)."""
-    a = after.astype(np.float32)
+    zeros that loads and runs). bf16 comes as itself or as its u16 bits (``arrays.f32``)."""
+    a = arrays.f32(after)
     if not np.isfinite(a).all():
-        raise GkError(f"{what}: overflows {after.dtype} (non-finite values); the scale is out of range")
-    if np.any((a == 0) & (before.astype(np.float32) != 0)):
-        raise GkError(f"{what}: underflows {after.dtype} (values flushed to zero); the scale is out of range")
+        raise GkError(f"{what}: overflows bf16 (non-finite values); the scale is out of range")
+    if np.any((a == 0) & (arrays.f32(before) != 0)):
+        raise GkError(f"{what}: underflows bf16 (values flushed to zero); the scale is out of range")
 
 
 def w_out_inverse(dims: Dims, shards: list[np.ndarray], v_scale: float = 1.0) -> np.ndarray:
@@ -87,7 +87,7 @@ def w_out_inverse(dims: Dims, shards: list[np.ndarray], v_scale: float = 1.0) ->
 def o_bias(dims: Dims, b: np.ndarray) -> np.ndarray:
     """HF o_proj bias [H] -> bias_out [1, Hp], divided by tp: every TP rank adds it to its partial
     output before the reduce-scatter sums the partials (exact when tp is a power of two)."""
-    return replicated.row(dims, (b.astype(np.float32) / np.float32(dims.tp)).astype(b.dtype))
+    return replicated.row(dims, arrays.like_bf16(arrays.f32(b) / np.float32(dims.tp), b))
 
 
 def o_bias_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
@@ -102,7 +102,3 @@ def sink(dims: Dims, t: int, sinks: np.ndarray) -> np.ndarray:
 def sink_inverse(shards: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([s[:, 0] for s in shards])
 
-
-def softmax_scale(d: int, k_scale: float = 1.0) -> float:
-    """1/sqrt(d) with the FP8 K dequant scale folded in (the kernel reads raw FP8 K)."""
-    return float(np.float32(d ** -0.5) * np.float32(k_scale))

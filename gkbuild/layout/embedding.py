@@ -22,6 +22,7 @@ import numpy as np
 
 from . import hidden
 from .dims import Dims
+from .scalars import vocab_rows
 
 
 def table(dims: Dims, w: np.ndarray) -> np.ndarray:
@@ -31,11 +32,6 @@ def table(dims: Dims, w: np.ndarray) -> np.ndarray:
 
 def table_inverse(dims: Dims, e: np.ndarray) -> np.ndarray:
     return hidden.from_kernel(e, 1, dims.H)
-
-
-def vocab_rows(V: int, tp: int) -> int:
-    """Rows of the vocab-sharded table a TP rank holds."""
-    return -(-V // tp)
 
 
 def vocab_shard(e: np.ndarray, t: int, tp: int) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import dtype
 from . import arrays, hidden
 from .dims import Dims
-from .experts_mx import UP_BIAS_SHIFT
+from .scalars import UP_BIAS_SHIFT
 
 
 def gate_up_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
@@ -30,7 +30,7 @@ def gate_up_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
 def gate_up_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF gate_up bias [E_L, 2I] -> [E_L, 2, Ip] fp32, +1 folded into up."""
     E_L = bias.shape[0]
-    b = hidden.pad(bias.astype(np.float32), 1, 2 * dims.Ip).reshape(E_L, dims.Ip, 2).copy()
+    b = hidden.pad(arrays.f32(bias), 1, 2 * dims.Ip).reshape(E_L, dims.Ip, 2).copy()
     b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
     return np.ascontiguousarray(b.transpose(0, 2, 1))
 
@@ -56,7 +56,7 @@ def down_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
 
 def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF down bias [E_L, H] -> [E_L, Hp] fp32 in kernel lanes."""
-    return hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+    return hidden.to_kernel(arrays.f32(bias), 1, dims.Hp)
 
 
 def down(dims: Dims, w: np.ndarray, bias: np.ndarray):

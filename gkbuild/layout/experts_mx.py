@@ -24,8 +24,7 @@ import numpy as np
 
 from . import arrays, hidden
 from .dims import MX_TILE, P_MAX, Dims
-
-UP_BIAS_SHIFT = 1.0
+from .scalars import UP_BIAS_SHIFT
 
 
 def pi(Ip: int, P_I: int) -> np.ndarray:
@@ -83,7 +82,7 @@ def gate_up_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
 def gate_up_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF gate_up_proj_bias [E_L, 2I] -> [E_L, P_I, 2, Ip/512, 4] fp32, +1 folded into up."""
     E_L = bias.shape[0]
-    b = _pad_gate_up(dims, bias).astype(np.float32).reshape(E_L, dims.Ip, 2)
+    b = arrays.f32(_pad_gate_up(dims, bias)).reshape(E_L, dims.Ip, 2)
     b[:, :dims.I, 1] += np.float32(UP_BIAS_SHIFT)
     return np.ascontiguousarray(b.reshape(E_L, dims.Ip // MX_TILE, dims.P_I, 4, 2).transpose(0, 2, 4, 1, 3))
 
@@ -130,7 +129,7 @@ def down_scales(dims: Dims, scales: np.ndarray) -> np.ndarray:
 
 def down_bias(dims: Dims, bias: np.ndarray) -> np.ndarray:
     """HF down_proj_bias [E_L, H] -> [E_L, Hp] fp32 in kernel lanes."""
-    return hidden.to_kernel(bias.astype(np.float32), 1, dims.Hp)
+    return hidden.to_kernel(arrays.f32(bias), 1, dims.Hp)
 
 
 def down(dims: Dims, blocks: np.ndarray, scales: np.ndarray, bias: np.ndarray):
@@ -146,8 +145,3 @@ def down_inverse(dims: Dims, W: np.ndarray, S: np.ndarray, B: np.ndarray, bias_d
     scales = hidden.unpad(hidden.from_kernel(s, 1, dims.H), 2, dims.I // 32)
     return blocks, scales, hidden.from_kernel(B, 1, dims.H).astype(bias_dtype)
 
-
-def clamps(limit: float) -> dict[str, float]:
-    """The kernel's clamp scalars once +1 is folded into the up bias."""
-    return {"gate_clamp_upper_limit": limit, "up_clamp_upper_limit": limit + UP_BIAS_SHIFT,
-            "up_clamp_lower_limit": -limit + UP_BIAS_SHIFT}

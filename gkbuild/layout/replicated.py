@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import hidden
+from . import arrays, hidden
 from .dims import Dims
 
 
@@ -20,7 +20,7 @@ def row_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
 
 def router_weights(dims: Dims, w: np.ndarray) -> np.ndarray:
     """HF router [E, H] bf16 -> [Hp, E] fp16 (exact for |w| in fp16's normal range)."""
-    return hidden.to_kernel_t(w, dims.Hp).astype(np.float16)
+    return arrays.f32(hidden.to_kernel_t(w, dims.Hp)).astype(np.float16)
 
 
 def router_weights_inverse(dims: Dims, r: np.ndarray, dtype) -> np.ndarray:
@@ -29,7 +29,7 @@ def router_weights_inverse(dims: Dims, r: np.ndarray, dtype) -> np.ndarray:
 
 def router_bias(b: np.ndarray) -> np.ndarray:
     """HF router bias [E] -> [1, E] fp16."""
-    return b.astype(np.float16)[None, :]
+    return arrays.f32(b).astype(np.float16)[None, :]
 
 
 def router_bias_inverse(r: np.ndarray, dtype) -> np.ndarray:
@@ -38,7 +38,7 @@ def router_bias_inverse(r: np.ndarray, dtype) -> np.ndarray:
 
 def gamma(dims: Dims, norm: np.ndarray) -> np.ndarray:
     """The final norm [H] bf16 -> the tail's gamma [1, Hp] fp32 (exact)."""
-    return row(dims, norm.astype(np.float32))
+    return row(dims, arrays.f32(norm))
 
 
 def gamma_inverse(dims: Dims, g: np.ndarray, dtype) -> np.ndarray:

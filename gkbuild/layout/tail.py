@@ -10,20 +10,29 @@ digit k, so after all hops rank r owns gbs/vtp rows starting at sum_i digit_i * 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from . import hidden
 from .dims import Dims
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# The array code is imported where it is used: the plan (and a no-op build) needs only the hops.
 
 
 def lm_head_t(dims: Dims, v: int, w: np.ndarray) -> np.ndarray:
     """HF lm_head [V, H] (or just its rows of vocab rank v) -> lm_head_weight_t [Hp, V_s], C-contiguous."""
+    from . import hidden
+
     rows = w[v * dims.V_s:(v + 1) * dims.V_s] if w.shape[0] == dims.V else w
     return hidden.to_kernel_t(rows, dims.Hp)
 
 
 def lm_head_t_inverse(dims: Dims, shards: list[np.ndarray]) -> np.ndarray:
+    import numpy as np
+
+    from . import hidden
+
     return np.concatenate([hidden.from_kernel(np.ascontiguousarray(s.T), 1, dims.H) for s in shards])
 
 

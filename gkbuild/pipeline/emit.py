@@ -17,12 +17,11 @@ from ..checkpoint import mxfp4, names
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import SafetensorsStream, TensorSpec
 from ..dtypes import dtype
-from ..layout import attention, embedding, experts_bf16, experts_mx, replicated, tail
+from ..layout import LAYOUT_VERSION, attention, embedding, experts_bf16, experts_mx, replicated, scalars, tail
 from ..layout.dims import Dims
 from ..paths import inside
 from .fingerprint import sha256_file
 
-LAYOUT_VERSION = 2  # bump when any shard's bytes change for the same inputs
 EMBED_CHUNK_BYTES = 32 << 20
 
 
@@ -80,7 +79,7 @@ def _report(n: int, task: str = "shards") -> None:
 
 def _checkpoint(root: str) -> Checkpoint:
     if root not in _ck:
-        _ck[root] = Checkpoint.open(root)
+        _ck[root] = Checkpoint.open(root, plain=True)  # bf16 as u16 bits: no ml_dtypes in a build
     return _ck[root]
 
 
@@ -134,7 +133,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
     d = ctx.dims
     lo, hi = 0, d.V
     if ctx.embedding == "vocab":
-        rows = embedding.vocab_rows(d.V, d.tp)
+        rows = scalars.vocab_rows(d.V, d.tp)
         lo, hi = min(index * rows, d.V), min((index + 1) * rows, d.V)
     step = max(1, EMBED_CHUNK_BYTES // (d.Hp * 2))
 
@@ -145,7 +144,7 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
             ck.release(names.EMBED, r0, r1)
             yield embedding.hidden_shard(block, index, d.tp) if ctx.embedding == "hidden" else block
         if ctx.embedding == "vocab" and hi - lo < rows:  # the last rank's rows past V
-            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").numpy)
+            yield np.zeros((rows - (hi - lo), d.Hp), dtype("bf16").plain)
 
     return {"embed_tokens" if ctx.embedding == "host" else "embed_weight": table}
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gkbuild.layout import embedding, hidden
+from gkbuild.layout import embedding, hidden, scalars
 from gkbuild.layout.dims import Dims
 from gkbuild.model import preset
 
@@ -52,7 +52,7 @@ def test_vocab_inverse_refuses_non_zero_padding():
 
 @pytest.mark.parametrize("V, world", [(64, 8), (67, 8), (5, 8), (201088, 128)])
 def test_every_id_has_exactly_one_owner_and_its_row(V, world):
-    R = embedding.vocab_rows(V, world)
+    R = scalars.vocab_rows(V, world)
     ids = np.arange(V)
     local = np.stack([embedding.local_ids(ids, r, R) for r in range(world)])  # [world, V]
     assert local.dtype == np.int32

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gkbuild.checkpoint import mxfp4
-from gkbuild.layout import experts_bf16, experts_mx, hidden
+from gkbuild.layout import experts_bf16, experts_mx, hidden, scalars
 from gkbuild.layout.dims import Dims
 from gkbuild.model import preset
 
@@ -179,5 +179,5 @@ def test_bf16_roundtrip_and_reader(sizes, E_L, seed):
 
 
 def test_clamps_shift_with_the_folded_bias():
-    assert experts_mx.clamps(7.0) == {"gate_clamp_upper_limit": 7.0, "up_clamp_upper_limit": 8.0,
+    assert scalars.clamps(7.0) == {"gate_clamp_upper_limit": 7.0, "up_clamp_upper_limit": 8.0,
                                       "up_clamp_lower_limit": -6.0}
