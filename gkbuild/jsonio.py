@@ -7,12 +7,14 @@ Such a file is data from a disk or a store, possibly hostile: it is opened witho
 only read if it is a regular file (a FIFO would hold ``open()`` forever), its size is bounded before
 it is read, its nesting before anything walks it (``[[[[...`` 200,000 deep would otherwise end in a
 RecursionError traceback here or in whatever recurses over it later), and it is strict JSON (no
-NaN or Infinity). Every failure is one ``BadJson`` line naming the file.
+NaN or Infinity, no number that overflows to one such as ``1e400``, no key twice in an object).
+Every failure is one ``BadJson`` line naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -30,6 +32,22 @@ class BadJson(GkError, ValueError):
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not strict JSON")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text[:40]} overflows a double")
+    return x
+
+
+def _unique(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {json.dumps(twice)[:80]} appears twice in an object")
+    return d
 
 
 def depth_problem(obj, limit: int = MAX_DEPTH) -> str | None:
@@ -51,7 +69,7 @@ def loads(data: bytes | str, where: str, limit: int | None = None):
     if limit is not None and len(data) > limit:
         raise BadJson(f"{where}: over {limit} bytes; refused unread")
     try:
-        obj = json.loads(data, parse_constant=_refuse_constant)
+        obj = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite, object_pairs_hook=_unique)
     except RecursionError:
         raise BadJson(f"{where}: nested deeper than {MAX_DEPTH} levels; refused") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included

@@ -1,6 +1,6 @@
 """Input files that are not what they claim, through the CLI where the third hostile probe saw them:
 a FIFO (or other non-regular file) where a file is read is refused at once instead of blocking in
-open()."""
+open(); a number that overflows a double and a key given twice are not JSON gkbuild accepts."""
 
 from __future__ import annotations
 
@@ -89,3 +89,16 @@ def test_a_fifo_golden_or_manifest_is_refused_without_blocking(build, tmp_path):
     assert "g.safetensors: is a FIFO" in _refused_without_blocking(fifo, Golden.load, fifo)
     fifo = _fifo(build / mf.NAME)
     assert "manifest.json: is a FIFO" in _refused_without_blocking(fifo, mf.load, build)
+
+
+def test_a_manifest_with_a_number_that_overflows_a_double_is_a_bad_file(build):
+    text = (build / mf.NAME).read_text()
+    assert '"eps": 1e-05' in text
+    (build / mf.NAME).write_text(text.replace('"eps": 1e-05', '"eps": 1e400', 1))
+    _one_line(_cli("inspect", str(build)), "manifest.json: not valid JSON (1e400 overflows a double)")
+
+
+def test_a_manifest_with_a_key_twice_is_a_bad_file(build):
+    text = (build / mf.NAME).read_text()
+    (build / mf.NAME).write_text('{"name": "evil",' + text.lstrip()[1:])  # the real name comes later and "wins"
+    _one_line(_cli("inspect", str(build)), 'manifest.json: not valid JSON (key "name" appears twice in an object)')
