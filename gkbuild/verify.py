@@ -392,13 +392,24 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
 
     # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
     spec = parse(m["source"]["uri"], base=Path.cwd())
-    root = materialize(spec)
     if texts:
         from . import text
 
         ids = text.encode(text.tokenizer(spec), texts, chat)
-        return for_checkpoint(root, ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
-    return for_checkpoint(root, default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt, device, quiet)
+        _fits(m, max(map(len, ids)), steps, "the longest --prompt")
+        return for_checkpoint(materialize(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
+    _fits(m, prompt_len, steps, "the prompts")
+    return for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
+                          device, quiet)
+
+
+def _fits(m: dict, tokens: int, steps: int, what: str) -> None:
+    """Refuse, before any model work, sequences longer than the build's context."""
+    from .kernels.driver import max_context
+
+    if tokens + steps > max_context(m):
+        raise GkError(f"{what} is {tokens} tokens; with {steps} steps that is {tokens + steps} positions, more than "
+                      f"the build's decode.max_context of {max_context(m)}")
 
 
 @dataclass

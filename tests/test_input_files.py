@@ -14,6 +14,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from gkbuild import text
+from gkbuild.checkpoint.source import parse
 from gkbuild.errors import GkError
 from gkbuild.golden import Golden
 from gkbuild.pipeline import manifest as mf
@@ -84,11 +86,16 @@ def _refused_without_blocking(fifo: str, fn, *args) -> str:
     return str(e)
 
 
-def test_a_fifo_golden_or_manifest_is_refused_without_blocking(build, tmp_path):
+def test_a_fifo_golden_manifest_or_tokenizer_file_is_refused_without_blocking(build, tiny_copy, tmp_path):
     fifo = _fifo(tmp_path / "g.safetensors")
     assert "g.safetensors: is a FIFO" in _refused_without_blocking(fifo, Golden.load, fifo)
     fifo = _fifo(build / mf.NAME)
     assert "manifest.json: is a FIFO" in _refused_without_blocking(fifo, mf.load, build)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        ck = tmp_path / name
+        shutil.copytree(tiny_copy, ck)
+        fifo = _fifo(ck / name)
+        assert f"{name}: is a FIFO" in _refused_without_blocking(fifo, text.tokenizer, parse(str(ck)))
 
 
 def test_a_manifest_with_a_number_that_overflows_a_double_is_a_bad_file(build):

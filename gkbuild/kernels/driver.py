@@ -72,6 +72,12 @@ class _Blocks:
                 self.free.append(freed)
 
 
+def max_context(m: dict) -> int:
+    """The most positions a sequence of the build with manifest ``m`` can reach: its full block
+    table's width in tokens."""
+    return m["scalars"]["full_table_blocks"] * m["layout"]["kv"]["block_size"]
+
+
 class Controls:
     """What a runtime builds for each decode step, per DP replica: the block tables from each
     replica's pool, positions in both frames, the update slots and YaRN cos/sin (the twins' form;
@@ -85,8 +91,8 @@ class Controls:
         self.rope = m["scalars"]["rope"]
         self.block = kv.block_size
         self.nbf, self.num_swa = m["scalars"]["full_table_blocks"], m["scalars"]["swa_table_blocks"]
-        if max_len > self.nbf * self.block:
-            raise GkError(f"{max_len} positions exceed the build's decode.max_context of {self.nbf * self.block}")
+        if max_len > max_context(m):
+            raise GkError(f"{max_len} positions exceed the build's decode.max_context of {max_context(m)}")
         # only the blocks this run can reach: a row holds a full-attention block per block of
         # positions and at most the window's blocks (+2 at its edges) of sliding ones
         span = -(-max_len // self.block)
