@@ -170,7 +170,6 @@ def test_a_broken_tokenizer_through_the_cli_is_one_line(tiny_copy, tmp_path):
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
-@pytest.mark.slow  # a child process a template, one of them spinning to its CPU limit
 def test_a_chat_template_that_fails_runs_away_or_renders_too_much_is_one_line_naming_its_file(tiny_copy):
     cases = [("{{ raise_exception('no such role') }}", "does not render (TemplateError: no such role)"),
              ("{% for %}", "does not render (TemplateSyntaxError:"),
