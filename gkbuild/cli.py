@@ -150,13 +150,16 @@ def plan(recipe_path, overrides, as_json, show_compile):
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
+    verdicts = []
     if p.recipe.backend == "neuron":
-        from .compile.conformance import isa_refusal
-        from .progress import warn
+        from .compile import rules
 
-        why = isa_refusal(p.recipe)
+        from .compile import hostprofile
+
+        verdicts = rules.plan_verdicts(p, hostprofile.answers(hostprofile.of(p.recipe)))
+        why = rules.refusal(verdicts)
         if why:
-            warn(f"the {p.recipe.target} NEFFs of this plan will not compile: {why}")
+            raise GkError(f"{recipe_path}: {why}")
     compile_lines = []
     if show_compile:
         from .compile.stage import invocations
@@ -166,10 +169,14 @@ def plan(recipe_path, overrides, as_json, show_compile):
         j = p.to_json()
         if show_compile:
             j["compile"] = compile_lines
+        if verdicts:
+            j["verdicts"] = [v.to_dict() for v in verdicts]
         click.echo(json.dumps(j, indent=2))
         return
     for t in plan_tables(p):
         out.print(t)
+    for v in verdicts:
+        click.echo(f"verdict {v.program}: {v.short()}")
     for line in compile_lines:
         click.echo(line)
 
@@ -186,13 +193,15 @@ def plan(recipe_path, overrides, as_json, show_compile):
 @click.option("--cache", "cache", metavar="STORE", envvar="GKBUILD_COMPILE_CACHE", default=None,
               help="A shared compile cache (folder, hf://ORG/NAME, s3://BUCKET/PREFIX) looked up before compiling "
                    "each program; env GKBUILD_COMPILE_CACHE.")
+@click.option("--host-profile", "host_profile", metavar="DOCTOR.json", type=click.Path(path_type=Path), default=None,
+              help="Follow a `gkbuild doctor` report's answers (Neuron targets; recipe key compile.host_profile).")
 @click.option("--cache-push", is_flag=True, envvar="GKBUILD_COMPILE_CACHE_PUSH",
               help="Store the compiled programs in the --cache store; env GKBUILD_COMPILE_CACHE_PUSH=1.")
 @_set_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
-def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, cache_push, overrides, quiet,
-                as_json):
+def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, host_profile, cache_push, overrides,
+                quiet, as_json):
     """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
     and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
     through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
@@ -211,6 +220,14 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     if cache_push and not cache:
         raise GkError("--cache-push: give the store with --cache STORE (or GKBUILD_COMPILE_CACHE)")
     r = load(recipe_path, overrides)
+    if host_profile is not None:
+        r.compile.host_profile = str(host_profile.resolve())
+    if r.compile.host_profile:  # checked before anything is written
+        from .compile import hostprofile
+
+        if r.backend != "neuron":
+            raise GkError(f"compile.host_profile: a gkbuild doctor profile is for trn2/trn3 builds, not {r.target}")
+        hostprofile.of(r)
     res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                         require_neff=require_neff, cache=cache or None, cache_push=cache_push)
     if as_json:
@@ -362,7 +379,8 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
 @click.option("--prefill-tp", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill ranks (the model's kv heads split over them).")
 @click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds every NIXL READ of a prompt set must finish in.")
+              help="Seconds each exchange with the prefill engine may take, waits between messages included: the "
+                   "handshake, its prefill of a prompt set, the NIXL READs, the release of its blocks.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -402,7 +420,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
             raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
                           "give --golden or no prompts")
         check_prefill(engine)  # before a prefill process is started
-        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout) as (spec, lengths):
+        with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout, steps) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
     dicts = [r.to_dict() for r in reports]
     if report_dir is not None:
@@ -856,11 +874,50 @@ def _print_farm(rep: dict, list_only: bool) -> None:
     out.print(t)
 
 
+@cli.command()
+@click.option("--target", type=click.Choice(["trn2", "trn3"]), default="trn3", show_default=True,
+              help="The target whose compiler the probes compile for.")
+@click.option("--kernels", "kernels_recipe", metavar="RECIPE", type=click.Path(path_type=Path), default=None,
+              help="Also check out RECIPE's kernel libraries and compare the switches they read with recipe-doc's.")
+@click.option("--report", "report_dir", metavar="DIR", type=click.Path(path_type=Path), default=None,
+              help="Write DIR/doctor.json (the host profile compile --host-profile follows) and DIR/doctor.html.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(target, kernels_recipe, report_dir, as_json):
+    """On a Neuron host: answer what the published sources cannot (how MX experts reach the kernel,
+    E4M3 flavour mixing, K/V aliases, where the NEFF lands, FP8 saturation, the checkout's switches)
+    with probe kernels compiled through the same torch_neuronx.trace call a build makes, on the
+    device when one is present, else trace-only. Needs the Neuron SDK."""
+    from .compile import doctor as dr
+
+    rep = dr.run(target, kernels_recipe, quiet=as_json)
+    if report_dir is not None:
+        dr.write(rep, report_dir)
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+        return
+    sdk = ", ".join(f"{k} {v or 'not installed'}" for k, v in rep["sdk"].items())
+    out.print(f"SDK: {escape(sdk)}\ninstance {escape(rep['instance'])}, NeuronCore-{rep['neuroncore']}, device "
+              f"{'present' if rep['device']['present'] else 'absent'}: probes ran {rep['mode']}")
+    t = Table(title=f"gkbuild doctor ({target})", title_justify="left")
+    for c in ("item", "answer", "evidence", "what gkbuild does"):
+        t.add_column(c)
+    for i in rep["items"]:
+        t.add_row(i["id"], escape(i["shown"]), escape(i["evidence"] or ""), escape(i["action"]))
+    out.print(t)
+    if report_dir is not None:
+        out.print(f"wrote {report_dir}/doctor.json and doctor.html; build with --host-profile {report_dir}/doctor.json")
+
+
 @cli.command("recipe-doc")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def recipe_doc(as_json):
+@click.option("--matrix", is_flag=True, help="Print the support matrix instead: target x KV dtype/packing x form x "
+                                             "experts, judged by the compiler's documented rules before any trace.")
+def recipe_doc(as_json, matrix):
     """Every recipe.yaml key with its default and meaning, then every kernel switch of each kernel
-    revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to."""
+    revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to.
+    --matrix: what the published kernels compile, refuse (the rule) or leave to `gkbuild doctor`."""
+    if matrix:
+        return _print_matrix(as_json)
     from .compile.switches import switch_table
     from .recipe import schema_doc
 
@@ -884,6 +941,26 @@ def recipe_doc(as_json):
             s.add_row(e["name"], e["read"] + (f" (default {e['default']!r})" if e["default"] is not None else ""),
                       repr(e["value"]), e["numerics"], e["effect"])
         out.print(s)
+
+
+def _print_matrix(as_json: bool) -> None:
+    from .compile.rules import RULES, matrix
+
+    rows = matrix()
+    if as_json:
+        click.echo(json.dumps({"rules": {k: vars(r) for k, r in RULES.items()}, "matrix": rows}, indent=2))
+        return
+    t = Table(title="support matrix of the published kernels: the decode program (the tail takes no FP8 or MX "
+                    "argument)", title_justify="left")
+    for c in ("target", "KV", "form", "experts", "verdict", "rule", "why / what decides it"):
+        t.add_column(c)
+    for r in rows:
+        why = r["line"] if r["status"] != "unknown" else f"gkbuild doctor: {r['doctor']}; {r['line']}"
+        t.add_row(r["target"], r["kv"], r["form"], r["experts"], r["status"], r["rule"] or "",
+                  escape("; ".join(filter(None, [why, *r["notes"]]))))
+    out.print(t)
+    for k, r in RULES.items():
+        click.echo(f"{k}: {r.says} ({r.source})")
 
 
 def main(argv=None) -> None:

@@ -140,6 +140,10 @@ class Compile:
                             "NeuronCore needed (AWS-documented); device: torch_neuronx.trace on a NeuronCore; "
                             "xla-cpu: torch-xla on PJRT_DEVICE=CPU + the neuronx-cc CLI (undocumented, unverified)",
                     ("host", "device", "xla-cpu"))
+    host_profile: typing.Optional[str] = _f(None, "a `gkbuild doctor` report (DIR/doctor.json, relative to the "
+                                                  "recipe) whose answers the Neuron backend follows: MX carrier "
+                                                  "dtype, K/V aliases, NEFF location, FP8 saturation; without one "
+                                                  "the manifest says unchecked")
     job_cpus: typing.Optional[int] = _f(None, "CPUs a gkbuild farm job asks its cluster for, one program "
                                               "(default: 1 for cpu/cuda, 8 for trn2/trn3)")
     job_memory_gib: typing.Optional[float] = _f(None, "memory a gkbuild farm job asks its cluster for, in GiB "

@@ -178,7 +178,7 @@ def build_tables(s: dict) -> list:
     for role, e in s["by_role"].items():
         roles.add_row(role, str(e["files"]), human_bytes(e["bytes"]))
     progs = Table(title="programs", title_justify="left")
-    for c in ("program", "batch", "LNC", "in/out", "kernel", "switches", "NEFF"):
+    for c in ("program", "batch", "LNC", "in/out", "kernel", "switches", "doctor answers relied on", "NEFF"):
         progs.add_column(c)
     for p in s["programs"]:
         asked = ", ".join(f"{n.removeprefix('VLLM_NEURON_MEGA_')}={v}" for n, v in p["switches_from_recipe"].items())
@@ -186,7 +186,8 @@ def build_tables(s: dict) -> list:
         sw = (f"{len(p['switches'])} set explicitly" if p["switches"] else "set at trace") + \
             (f"; recipe: {asked}" if asked else "; reference path")
         progs.add_row(p["name"], str(p["batch_size"] or "any"), str(p["lnc"]), f"{p['inputs']}/{p['outputs']}",
-                      kernel, sw if p["entry"] else "-", p["neff_version"] or ("-" if p["format"] != "neff" else p["status"]))
+                      kernel, sw if p["entry"] else "-",
+                      ", ".join(f"{k}: {v}" for k, v in p["doctor"].items()) or "-", p["neff_version"] or ("-" if p["format"] != "neff" else p["status"]))
     stages = Table(title="stages", title_justify="left")
     stages.add_column("stage")
     stages.add_column("cache")

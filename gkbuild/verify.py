@@ -321,7 +321,11 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     fmt = build_kv(m)
     if golden is None:
-        g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet)
+        from .kernels.driver import check_run
+
+        def fits(positions: int) -> None:  # a run the build cannot hold is refused before any model work
+            check_run(m, build.kv_layout(), batch, positions)
+        g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet, fits)
     else:
         g = golden if isinstance(golden, Golden) else Golden.load(golden)
         want = checkpoint_hash(m["source"]["files"])
@@ -385,8 +389,9 @@ def continuations(g, predicted: torch.Tensor, tok=None) -> list[dict]:
 
 
 def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: int, steps: int, device: str,
-                quiet: bool):
-    """The golden of the build's source in the build's KV format."""
+                quiet: bool, fits):
+    """The golden of the build's source in the build's KV format; ``fits(positions)`` refuses a
+    run the build cannot hold, called once the length is known (text prompts: their token count)."""
     from .checkpoint.source import materialize, parse
     from .golden import default_prompts, for_checkpoint
 
@@ -396,20 +401,11 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
         from . import text
 
         ids = text.encode(text.tokenizer(spec), texts, chat)
-        _fits(m, max(map(len, ids)), steps, "the longest --prompt")
+        fits(max(map(len, ids)) + steps)
         return for_checkpoint(materialize(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
-    _fits(m, prompt_len, steps, "the prompts")
+    fits(prompt_len + steps)
     return for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
                           device, quiet)
-
-
-def _fits(m: dict, tokens: int, steps: int, what: str) -> None:
-    """Refuse, before any model work, sequences longer than the build's context."""
-    from .kernels.driver import max_context
-
-    if tokens + steps > max_context(m):
-        raise GkError(f"{what} is {tokens} tokens; with {steps} steps that is {tokens + steps} positions, more than "
-                      f"the build's decode.max_context of {max_context(m)}")
 
 
 @dataclass

@@ -221,7 +221,7 @@ def test_plan_cli_against_a_hub_cache(tmp_path):
 
 
 def test_plan_cli_tables_and_errors():
-    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"))
+    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "target=trn3")
     assert r.returncode == 0 and "expert_gate_up_weights" in r.stdout and "DMA offset check" in r.stdout
     r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "topology.tpp=4")
     assert r.returncode == 1 and "did you mean 'topology.tp'" in r.stderr

@@ -47,14 +47,14 @@ def test_allocate_kv(built):
     b = Build.open(built)
     kv = b.allocate_kv()
     assert kv.dtype == "fp8_e4m3" and len(kv.allocations) == 2
-    assert [tuple(a.shape) for a in kv.allocations] == [(2, 80, 1, 4, 32)] * 2
+    assert [tuple(a.shape) for a in kv.allocations] == [(2, 96, 1, 4, 32)] * 2
     assert kv.allocations[0].dtype == torch.float8_e4m3fn  # torch has no IEEE-style e4m3
     k = kv.k(1)
-    assert tuple(k.shape) == (80, 1, 2, 32, 2) and k.dtype == torch.float8_e4m3fn
-    assert k.data_ptr() == kv.allocations[0].data_ptr() + 80 * 4 * 32  # layer 1's entry, same bytes
+    assert tuple(k.shape) == (96, 1, 2, 32, 2) and k.dtype == torch.float8_e4m3fn
+    assert k.data_ptr() == kv.allocations[0].data_ptr() + 96 * 4 * 32  # layer 1's entry, same bytes
     assert kv.v(0).data_ptr() == kv.allocations[1].data_ptr()
     args = kv.arguments()
-    assert tuple(args["K_cache"].shape) == (2, 80, 1, 2, 32, 2) and tuple(args["V_cache"].shape) == (2, 80, 1, 4, 32)
+    assert tuple(args["K_cache"].shape) == (2, 96, 1, 2, 32, 2) and tuple(args["V_cache"].shape) == (2, 96, 1, 4, 32)
     again = type(kv).from_arguments(kv.layout, args)
     assert again.k(1).data_ptr() == k.data_ptr() and again.v(1).data_ptr() == kv.v(1).data_ptr()
 

@@ -21,25 +21,6 @@ FORM_OF = {"kv_cache_update_idx_swa": "kv_cache.form: paired", "embed_weight": "
            "expert_down_weights_scale": "experts: mxfp4; bf16 experts have none"}
 
 
-# The MoE of both published decode revisions multiplies MX tiles with nki.isa.nc_matmul_mx
-# (core/moe/moe_tkg/gate_up_projection_mx.py ``_projection_matmul_mx``), which NKI documents as
-# "Available only on NeuronCore-v4 and newer" (nki/api/generated/nki.isa.nc_matmul_mx): Trn3.
-# Trn2 is NeuronCore-v3.
-MX_MOE = ("aws-neuron/nki-library", "baonudesifeizhai/nki-library")
-
-
-def isa_refusal(recipe) -> str | None:
-    """Why the published decode cannot compile for this recipe's target, or None: its MXFP4 MoE
-    needs NeuronCore-v4 (trn3). A decode library gkbuild does not know is not judged."""
-    library, _ = kernel_source.chosen(recipe, "decode")
-    repo = library.rpartition("@")[0]
-    if recipe.target == "trn2" and recipe.experts == "mxfp4" and repo in MX_MOE and "@" in library:
-        return (f"{library}'s MoE multiplies MXFP4 tiles with nki.isa.nc_matmul_mx, which NKI documents as "
-                f"available only on NeuronCore-v4 (Trn3); trn2 is NeuronCore-v3: target trn3, or name a decode "
-                f"kernel with a trn2 MoE path (compile.kernels.decode.library)")
-    return None
-
-
 def mismatch(params: list[dict], given: list[str]) -> tuple[list[str], list[str]]:
     """(required parameters not given, given names the kernel does not take)."""
     names = {p["name"] for p in params}

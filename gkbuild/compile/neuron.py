@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ..errors import GkError
 from ..progress import warn
-from . import interface, kernel_source, switches
+from . import hostprofile, interface, kernel_source, switches
 from .signature import Signature
 
 COMPILER = "neuronx-cc"
@@ -73,10 +73,13 @@ def compiler() -> dict:
     return {"name": COMPILER, "version": version}
 
 
+def base_flags(target: str, level: int) -> list[str]:
+    return [f"--target={target}", "--lnc=1", "--model-type=transformer", "--auto-cast=none", f"-O{level}"]
+
+
 def flags(recipe, program: str = "decode") -> list[str]:
     """neuronx-cc arguments of one program (what ``torch_neuronx.trace`` is given as ``compiler_args``)."""
-    f = [f"--target={recipe.target}", "--lnc=1", "--model-type=transformer", "--auto-cast=none",
-         f"-O{recipe.compile.optimization_level}"]
+    f = base_flags(recipe.target, recipe.compile.optimization_level)
     if recipe.target == "trn2" and program == "decode" and recipe.kv_cache.dtype == "fp8":
         f.append(FP8_ON_TRN2)
     return f
@@ -120,7 +123,7 @@ def kernel(recipe, program: str) -> dict:
 def key_of(rec: dict) -> dict:
     """What of a kernel record a compiled program depends on (the full switch settings follow from
     the revision, the overrides and gkbuild's own code, which the program key holds)."""
-    return {k: rec[k] for k in ("source", "revision", "entry", "trace", "switch_overrides")}
+    return {k: rec.get(k) for k in ("source", "revision", "entry", "trace", "switch_overrides", "host_profile")}
 
 
 def _asked(recipe, program: str) -> dict[str, str]:
@@ -173,12 +176,19 @@ def trace_environment(rec: dict, target: str, base: dict | None = None) -> dict[
 
 
 def trace_spec(sig: Signature, rec: dict, paths: list[str], work: Path, args: list[str]) -> dict:
+    """What the trace process is given; the host profile's answers the program relies on (``rec``'s
+    ``host_profile``) set the inputs' carrier dtypes, the K/V aliases and where the NEFF is taken from."""
     scalars = {k: (_lists(v) if k in MESHES or k == "hop_meshes" else v) for k, v in sig.scalars.items()}
+    relied = rec.get("host_profile") or {}
+    inputs = [{**i.to_dict(), "carrier": hostprofile.carrier(i.name, i.dtype, relied)} for i in sig.inputs]
+    names = sig.names()
+    aliases = ([[names.index(o["aliases"]), k] for k, o in enumerate(sig.outputs) if o.get("aliases")]
+               if hostprofile.choice(relied, "kv_aliases") == "required" else [])
     return {"program": sig.program, "key": sig.key, "kernel": rec["entry"], "paths": paths, "mode": rec["trace"],
             "workdir": str(work / sig.key), "hlo": str(work / f"{sig.key}.hlo.pb"),
-            "neff": str(work / f"{sig.key}.neff.partial"), "compiler_args": args,
-            "inputs": [i.to_dict() for i in sig.inputs], "scalars": scalars,
-            "replica_groups": [k for k in MESHES if k in scalars]}
+            "neff": str(work / f"{sig.key}.neff.partial"), "compiler_args": args, "inputs": inputs,
+            "scalars": scalars, "replica_groups": [k for k in MESHES if k in scalars], "aliases": aliases,
+            "neff_location": hostprofile.choice(relied, "neff_location")}
 
 
 def _lists(v):
@@ -206,7 +216,7 @@ def build(plan, sig: Signature, build_dir: Path, root: Path, rec: dict) -> Path:
             lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
             said = next((ln.removeprefix("gkbuild-trace: ") for ln in lines if ln.startswith("gkbuild-trace: ")),
                         lines[-1] if lines else "(no output)")
-            raise GkError(f"{sig.key}: {said}")
+            raise GkError(f"{sig.key}: {said}{hostprofile.unchecked_hint(said, rec.get('host_profile') or {})}")
         if rec["trace"] == "xla-cpu":
             cmd = invocation(sig, r, build_dir)
             cmd[cmd.index("--output") + 1] = str(tmp)

@@ -8,8 +8,9 @@ its NeuronCore, and each step builds the same control inputs as the twins' drive
 (``driver.Controls``, converted and checked by ``kernel_inputs``), calls the recipe's decode kernel
 on them, gathers the batch's hidden states and calls the tail kernel, which emits this rank's
 vocabulary slice of the logits. The calls are the ones the build traced (same kernels, arguments,
-switches, set from each program's manifest record before its kernel is imported, and flags), so the
-SDK's compile cache serves the programs the build compiled. Rank r writes its slices to
+switches, set from each program's manifest record before its kernel is imported, flags, and the
+host profile's carrier dtypes and runtime environment), so the SDK's compile cache serves the
+programs the build compiled. Rank r writes its slices to
 ``OUT/logits-r<r>.pt``; the caller joins them.
 
 Needs the Neuron SDK and NeuronCores; without them ``check`` says so in one line. Not run on the
@@ -58,6 +59,8 @@ def run(build, golden_path: Path, batch: int, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     cmd = command(build.root, golden_path, out, build.world_size, batch)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NEURON_MEGA_")}  # each rank sets them
+    profile = build.manifest["compile"].get("host_profile")
+    env.update(profile.get("runtime_env", {}) if isinstance(profile, dict) else {})  # what doctor asked of the runtime
     done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
         raise GkError(f"--engine neuron: a rank failed (exit {done.returncode}); see its output above")
@@ -78,7 +81,7 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
     from ..kernels.driver import Controls
     from ..layout.tail import owned_rows
     from ..runtime import Build
-    from . import kernel_source
+    from . import hostprofile, kernel_source
     from .neuron_trace import load_kernel
 
     dist.init_process_group("xla")
@@ -121,6 +124,9 @@ def _worker(build_dir: str, golden_path: str, out: str, batch: int) -> None:  # 
             os.environ[n] = s["value"]
         given = kernel_inputs.decode_given(m, rank, tokens, ctl, weights, kv, host)
         args = kernel_inputs.assemble(dec["inputs"], given, dec["name"])
+        relied = dec["kernel"].get("host_profile") or {}
+        args = [a.view(getattr(torch, c)) if (c := hostprofile.carrier(i["name"], i["dtype"], relied)) else a
+                for i, a in zip(dec["inputs"], args)]  # the carrier dtypes the build traced with
         outs = kernels["decode"](**{i["name"]: a.to(dev) for i, a in zip(dec["inputs"], args)}, **scalars(dec))
         x_out, *updated = outs if isinstance(outs, (tuple, list)) else (outs,)
         kv.update(zip([i["name"] for i in dec["inputs"] if i["kind"] == "kv_buffer"], updated))

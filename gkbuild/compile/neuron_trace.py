@@ -76,7 +76,8 @@ def check_arguments(kernel, given: list[str], program: str) -> None:
 
 
 def tensor(spec: dict):
-    """A zero CPU tensor (or the build's constant) of the signature's shape and dtype."""
+    """A zero CPU tensor (or the build's constant) of the signature's shape and dtype, viewed as its
+    ``carrier`` dtype where the host profile names one (MX tiles as torch.float4_e2m1fn_x2...)."""
     import torch
 
     name = spec["dtype"]
@@ -86,7 +87,38 @@ def tensor(spec: dict):
     t = torch.zeros(spec["shape"], dtype=dt)
     if spec.get("value") is not None:
         t.fill_(spec["value"])
+    if spec.get("carrier"):
+        t = t.view(getattr(torch, spec["carrier"]))
     return t
+
+
+def compile_traced(fn, inputs, work: Path, args: list[str], mode: str, aliases: dict | None = None):
+    """The one ``torch_neuronx.trace`` call gkbuild makes, for a build's programs and for ``gkbuild
+    doctor``'s probes alike: into a fresh ``work`` folder, ``cpu_backend`` for the host mode,
+    ``input_output_aliases`` ({input tensor: output index}) where asked. Returns the traced program."""
+    import torch_neuronx
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        return torch_neuronx.trace(fn, tuple(inputs), input_output_aliases=dict(aliases or {}),
+                                   compiler_workdir=str(work), compiler_args=list(args), cpu_backend=mode == "host")
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the SDK's or the compiler's error, said in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TraceError(f"torch_neuronx.trace failed: {type(e).__name__}: {msg[:500]}") from None
+
+
+def the_neff(work: Path, pattern: str | None = None) -> Path:
+    """The NEFF the compiler left in ``work``: the one file the host profile's ``neff_location``
+    pattern names, else the one ``.neff`` anywhere under it."""
+    neffs = sorted(work.glob(pattern)) if pattern else sorted(work.rglob("*.neff"))
+    if len(neffs) != 1:
+        where = f"at {pattern}" if pattern else "anywhere"
+        raise TraceError(f"expected one NEFF {where} in the compiler's work folder {work}, found {len(neffs)}"
+                         + ("" if pattern else ": " + ", ".join(str(n.relative_to(work)) for n in neffs)))
+    return neffs[0]
 
 
 def _call(kernel, spec: dict, names: list[str], scalars: dict, tensors):
@@ -118,24 +150,11 @@ def trace(spec: dict) -> None:
         outs = _call(kernel, spec, names, scalars, [t.to(device) for t in inputs])
         Path(spec["hlo"]).write_bytes(bytes(torch_xla._XLAC._get_xla_tensors_hlo_proto(list(outs))))
         return
-    import torch_neuronx
-
     work = Path(spec["workdir"])
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        torch_neuronx.trace(lambda *ts: _call(kernel, spec, names, scalars, ts), tuple(inputs),
-                            compiler_workdir=str(work), compiler_args=list(spec["compiler_args"]),
-                            cpu_backend=spec["mode"] == "host")
-    except TraceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the SDK's or the compiler's error, said in one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise TraceError(f"torch_neuronx.trace failed: {type(e).__name__}: {msg[:500]}") from None
-    neffs = sorted(work.rglob("*.neff"))
-    if len(neffs) != 1:
-        raise TraceError(f"expected one NEFF in the compiler's work folder {work}, found {len(neffs)}")
-    shutil.copyfile(neffs[0], spec["neff"])
+    aliases = {inputs[k]: o for k, o in spec.get("aliases", [])}
+    compile_traced(lambda *ts: _call(kernel, spec, names, scalars, ts), inputs, work, spec["compiler_args"],
+                   spec["mode"], aliases)
+    shutil.copyfile(the_neff(work, spec.get("neff_location")), spec["neff"])
 
 
 def main(argv: list[str]) -> int:

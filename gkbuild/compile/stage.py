@@ -23,7 +23,7 @@ from ..paths import inside
 from ..pipeline.fingerprint import sha256_file
 from ..pipeline.state import key
 from ..progress import warn
-from . import cache as compile_cache, conformance, inductor, neff, neuron, signature
+from . import cache as compile_cache, hostprofile, inductor, neff, neuron, rules, signature
 
 OUT = "compiled"
 KV_UPDATE = {"decode": "in-place: the program writes the new token's K/V into the K/V buffers it is given"}
@@ -60,6 +60,7 @@ class Backend:
     kernels: dict  # program -> kernel record (None for inductor)
     unavailable: str | None
     roots: dict | None = None  # program -> library checkout (``prepare``)
+    profile: dict | None = None  # the host profile the neuron backend follows (``hostprofile.load``)
 
     def expect(self, program: str) -> dict:
         """What a cached artifact of ``program`` must say it is (``cache.CompileCache.restore``)."""
@@ -77,8 +78,10 @@ def backend(plan) -> Backend:
         return Backend("inductor", "aoti-pt2", "pt2", r.target, inductor.compiler(),
                        {p: inductor.flags(r.target, r.decode.batch_sizes) for p in programs},
                        {p: None for p in programs}, inductor.available(r.target))
+    profile = hostprofile.of(r)
+    kernels = {p: {**neuron.kernel(r, p), "host_profile": hostprofile.relied_on(r, p, profile)} for p in programs}
     return Backend("neuron", "neff", "neff", r.target, neuron.compiler(), {p: neuron.flags(r, p) for p in programs},
-                   {p: neuron.kernel(r, p) for p in programs}, neuron.sdk())
+                   kernels, neuron.sdk(), profile=profile)
 
 
 def prepare(plan, be: Backend) -> Backend:
@@ -88,12 +91,16 @@ def prepare(plan, be: Backend) -> Backend:
         return be
     from ..checkpoint.source import cache_root
 
-    why = conformance.isa_refusal(plan.recipe)
+    _refuse(plan, be.profile)  # what gkbuild knows of the revision: before the checkout
+    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
+    _refuse(plan, be.profile, {p: d[0] for p, d in done.items()})  # the checkout's own declarations: before any trace
+    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
+
+
+def _refuse(plan, profile: dict | None, roots: dict | None = None) -> None:
+    why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(profile), roots))
     if why:
         raise GkError(f"{plan.recipe.target}: {why}")
-
-    done = {p: neuron.prepare(plan.recipe, p, rec, cache_root()) for p, rec in be.kernels.items()}
-    return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
 
 
 def program_keys(plan, be: Backend, sigs) -> dict[str, str]:
@@ -155,11 +162,15 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        why = conformance.isa_refusal(r) if r.backend == "neuron" else None
+        why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(be.profile))) if be.name == "neuron" else None
         if why:
             warn(f"and they would not compile: {why}")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
-        return {"status": status, "backend": r.backend, "artifacts": entries}, k, "skipped", skipped
+        return {"status": status, "backend": r.backend, "artifacts": entries, **_profile(be)}, k, "skipped", skipped
+    overflows = hostprofile.answers(be.profile).get("fp8_saturation") == "inf"
+    if overflows and r.kv_cache.dtype == "fp8" and r.kv_cache.packed:
+        warn(f"host profile {be.profile['file']}: this device turns packed K beyond 240 into inf (doctor "
+             f"fp8_saturation); keep |K| * k_scale within 240 (verify names a departure)")
     be = prepare(plan, be)  # the checkouts say which switches each library reads: every one is set
     # re-verified: an artifact edited since it was compiled is compiled (or restored) again
     cached = state.stages.get("compile") == k and all(
@@ -183,8 +194,13 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
     detail = ", ".join(paths.values()) + ("" if cached else f" ({time.perf_counter() - t0:.0f} s)")
     if cache and cache.summary():
         detail += f"; {cache.summary()}"
-    return ({"status": "ok", "backend": r.backend, "artifacts": entries, "cache_keys": keys}, k,
+    return ({"status": "ok", "backend": r.backend, "artifacts": entries, "cache_keys": keys, **_profile(be)}, k,
             "cached" if cached else "ran", detail)
+
+
+def _profile(be: Backend) -> dict:
+    """The manifest's record of the host profile a Neuron build followed ("unchecked" without one)."""
+    return {"host_profile": hostprofile.record(be.profile)} if be.name == "neuron" else {}
 
 
 def _program(plan, sig):

@@ -7,6 +7,13 @@ run), every decode rank's KV tensors are registered with one NIXL agent, the pla
 done are the received packed-FP8 K blocks relaid and the first step allowed. An error or a
 timeout is one line and no step runs on a partial cache.
 
+Every exchange with the prefill (the handshake, its prefill of the prompts, the READs, the
+release of its blocks) has the transfer timeout as its deadline, the time between frames
+included. Before any READ is posted, the prefill's answer is held to the run: it computed the N-1
+positions asked for, handed over a block for each block of them, and the plan's reads cover
+every block of every layer's K and V whole (NIXL's DONE on every READ then means the bytes
+arrived).
+
 A real decode deployment has an agent a rank (vLLM: a TP worker); the emulated world here has one
 agent for the process, registering every rank's K and V tensors: the descriptors are the same.
 """
@@ -32,19 +39,20 @@ import torch
 from ..errors import GkError, shown
 from ..layout.kv import pack_block
 from . import nixl, wire
-from .plan import block_pairs, covering_lengths, descriptors, received_k_blocks, transfer_plan
+from .plan import block_pairs, covering_lengths, descriptors, received_k_blocks, shortfall, transfer_plan
 
 _agents = count()
 STARTUP_TIMEOUT = 300.0  # s: a prefill process imports torch and transformers, opens its checkpoint
-REPLY_TIMEOUT = 900.0  # s: a prefill request runs the reference over the prompts
+SHUTDOWN_TIMEOUT = 5.0  # s: a prefill process we started says bye
+NO_STEP = "; no decode step ran"
 
 
 @dataclass
 class Prefill:
     """How ``verify`` gets its KV: a prefill engine of ``tp`` ranks, the one listening at
     ``endpoint`` (host, port) or one started for the run; ``edit`` changes the transfer plan
-    before it is used (a test's faulty plan); ``timeout``: seconds every READ of a request must
-    finish in."""
+    before it is used (a test's faulty plan); ``timeout``: seconds each exchange with the engine
+    (handshake, prefill, the READs of a request, release) must finish in."""
 
     tp: int = 4
     endpoint: tuple[str, int] | None = None
@@ -85,23 +93,28 @@ def pool_blocks(prompts: int, length: int, block: int, window: int) -> int:
 
 
 @contextmanager
-def serving(build_dir, tp: int, golden_file, prompts: int | None, timeout: float):
+def serving(build_dir, tp: int, golden_file, prompts: int | None, timeout: float, steps: int):
     """A prefill engine for a verify of ``build_dir`` (the CLI's ``--prefill nixl``): yields the
     ``Prefill`` to pass to ``verify.run`` and the prompt lengths to run: the golden's, or
-    ``covering_lengths`` of the build's block and window."""
+    ``covering_lengths`` of the build's block and window. A run the build's KV budget cannot hold
+    (``steps`` after the longest prompt) is refused before the process starts."""
     from ..golden import Golden
+    from ..kernels.driver import check_run
     from ..runtime import Build
 
     build = Build.open(build_dir)
     try:
         m = build.manifest
         block, window = m["layout"]["kv"]["block_size"], m["model"]["sliding_window"]
+        batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
         if golden_file is not None:
             g = Golden.load(golden_file)
-            count, lengths = g.token_ids.shape[0], [g.prompt_len]
+            count, lengths, positions = g.token_ids.shape[0], [g.prompt_len], g.token_ids.shape[1]
         else:
-            count = prompts or min(4, max(m["recipe"]["resolved"]["decode"]["batch_sizes"]))
+            count = prompts or min(4, batch)
             lengths = covering_lengths(block, window)
+            positions = max(lengths) + steps
+        check_run(m, build.kv_layout(), batch, positions)  # before a prefill process is started
         args = prefill_args(build, tp, pool_blocks(count, max(lengths), block, window))
     finally:
         build.close()
@@ -140,8 +153,8 @@ def _ready(proc: subprocess.Popen, timeout: float, err) -> int:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             words = line.split()
-            if len(words) == 2 and words[0] == b"READY" and words[1].isdigit():
-                return wire.integer(int(words[1]), "the prefill's port", 1, 65536)
+            if len(words) == 2 and words[0] == b"READY":
+                return wire.digits(words[1].decode("ascii", "replace"), "the prefill's port", 1, 65536)
         left = deadline - time.monotonic()
         if left <= 0 or not sel.select(left) or len(buf) > 1 << 20:
             raise GkError(f"the prefill process did not say READY within {timeout:g} s")
@@ -157,10 +170,10 @@ def _ready(proc: subprocess.Popen, timeout: float, err) -> int:
 def _stop(proc: subprocess.Popen, endpoint) -> None:
     if proc.poll() is None and endpoint is not None:
         try:
-            with socket.create_connection(endpoint, timeout=5) as s:
-                s.settimeout(5)
-                wire.send(s, {"op": "shutdown"})
-                wire.recv(s, "prefill shutdown")
+            deadline = wire.Deadline(SHUTDOWN_TIMEOUT, "shutdown")
+            with socket.create_connection(endpoint, timeout=SHUTDOWN_TIMEOUT) as s:
+                wire.send(s, {"op": "shutdown"}, "prefill shutdown", deadline)
+                wire.recv(s, "prefill shutdown", deadline)
         except (GkError, OSError):
             pass
     if proc.stdin:
@@ -174,17 +187,31 @@ def _stop(proc: subprocess.Popen, endpoint) -> None:
 
 
 class Peer:
-    """The decode side's connection to a prefill engine: its engine description and ranks."""
+    """The decode side's connection to a prefill engine: its engine description and ranks. Each
+    exchange (handshake, prefill, release) must complete within ``timeout`` seconds."""
 
-    def __init__(self, endpoint: tuple[str, int]):
+    def __init__(self, endpoint: tuple[str, int], timeout: float = 60.0):
         self.where = f"prefill at {endpoint[0]}:{endpoint[1]}"
+        self.timeout = timeout
+        deadline = self._deadline("handshake")
         try:
-            self.sock = socket.create_connection(endpoint, timeout=30)
+            self.sock = socket.create_connection(endpoint, timeout=deadline.left(self.where))
+        except socket.timeout:
+            raise deadline.expired(self.where) from None
         except OSError as e:
             raise GkError(f"{self.where}: {e.strerror or e}") from None
-        self.sock.settimeout(REPLY_TIMEOUT)
-        wire.send(self.sock, {"op": "hello", "version": wire.VERSION})
-        hello = wire.expect(self.sock, "hello", self.where)
+        try:
+            self._hello(deadline)
+        except GkError:
+            self.sock.close()
+            raise
+
+    def _deadline(self, phase: str) -> wire.Deadline:
+        return wire.Deadline(self.timeout, phase, f" (--transfer-timeout){NO_STEP}")
+
+    def _hello(self, deadline: wire.Deadline) -> None:
+        wire.send(self.sock, {"op": "hello", "version": wire.VERSION}, self.where, deadline)
+        hello = wire.expect(self.sock, "hello", self.where, deadline)
         if hello.get("version") != wire.VERSION:
             raise GkError(f"{self.where}: speaks side-channel version {shown(hello.get('version'))}, not {wire.VERSION}")
         self.engine = hello.get("engine")
@@ -203,6 +230,7 @@ class Peer:
             if e.get(k) != v:
                 raise GkError(f"{self.where}: its {k} is {shown(e.get(k))}, the build's plan needs {shown(v)}")
         self.num_blocks = wire.integer(e.get("num_blocks"), "num_blocks", 1, 1 << 31)
+        self.block = d["block_size"]
         if len(self.ranks) != p["tp"]:
             raise GkError(f"{self.where}: {len(self.ranks)} ranks described, its TP is {p['tp']}")
         self.regions = []
@@ -221,27 +249,40 @@ class Peer:
             self.regions.append(np.array(addr, dtype=np.uint64))
 
     def prefill(self, prompts: list[list[int]]) -> dict:
-        wire.send(self.sock, {"op": "prefill", "prompts": prompts})
-        reply = wire.expect(self.sock, "prefilled", self.where)
-        wire.integer(reply.get("round"), "round")
+        """The prompts' first N-1 positions computed by the prefill (``check`` first): the round
+        and each request's block ids, held to the run: N-1 positions computed, a full-group block
+        for each block of them, sliding blocks among those."""
+        deadline = self._deadline("prefill")
+        wire.send(self.sock, {"op": "prefill", "prompts": prompts}, self.where, deadline)
+        reply = wire.expect(self.sock, "prefilled", self.where, deadline)
+        rnd = wire.integer(reply.get("round"), "round")
+        asked = len(prompts[0]) - 1  # the N-1 rule: the decode computes the last prompt token itself
         n = wire.integer(reply.get("computed"), "computed positions", 0, len(prompts[0]))
+        if n != asked:
+            raise GkError(f"{self.where}: the prefill computed {n} positions of prompts of {len(prompts[0])} tokens; "
+                          f"the run needs their first {asked} (N-1){NO_STEP}")
+        blocks = -(-n // self.block)
         reqs = reply.get("requests")
         if not isinstance(reqs, list) or len(reqs) != len(prompts):
             raise GkError(f"{self.where}: {shown(reqs)} is not one block list a prompt")
         out = []
-        for q in reqs:
+        for i, q in enumerate(reqs):
             full = q.get("full") if isinstance(q, dict) else None
             swa = q.get("swa") if isinstance(q, dict) else None
             if not isinstance(full, list) or not isinstance(swa, dict) or len(full) > len(prompts[0]) or len(swa) > len(full):
                 raise GkError(f"{self.where}: a request's block ids are {shown(q)}")
+            if len(full) != blocks:
+                raise GkError(f"{self.where}: request {i} hands over {len(full)} full-attention blocks; its {n} computed "
+                              f"positions fill {blocks} blocks of {self.block}{NO_STEP}")
             out.append({"full": [wire.integer(b, "a block id", 0, self.num_blocks) for b in full],
-                        "swa": {wire.integer(int(k) if str(k).isdigit() else None, "a logical block", 0, len(full)):
-                                wire.integer(b, "a block id", 0, self.num_blocks) for k, b in swa.items()}})
-        return {"round": reply["round"], "computed": n, "requests": out}
+                        "swa": {wire.digits(k, "a logical block", 0, blocks): wire.integer(b, "a block id", 0, self.num_blocks)
+                                for k, b in swa.items()}})
+        return {"round": rnd, "computed": n, "requests": out}
 
     def release(self, rnd: int) -> None:
-        wire.send(self.sock, {"op": "release", "round": rnd})
-        wire.expect(self.sock, "released", self.where)
+        deadline = self._deadline("release")
+        wire.send(self.sock, {"op": "release", "round": rnd}, self.where, deadline)
+        wire.expect(self.sock, "released", self.where, deadline)
 
     def close(self) -> None:
         self.sock.close()
@@ -265,7 +306,7 @@ def _pull(build, session, prompts, rows, spec: Prefill, plan: dict, endpoint, qu
     from ..progress import note
     from ..verify import build_kv
 
-    peer = Peer(endpoint)
+    peer = Peer(endpoint, spec.timeout)
     try:
         peer.check(plan, build_kv(build.manifest))
         t = time.perf_counter()
@@ -273,7 +314,7 @@ def _pull(build, session, prompts, rows, spec: Prefill, plan: dict, endpoint, qu
         n = got["computed"]
         session.steps.admit(n)
         pairs = _pairs(plan, session, got["requests"], rows, n)
-        moved, reads = _read(plan, peer, session, pairs, spec.timeout)
+        moved, reads = _read(plan, peer, session, pairs, n, spec.timeout)
         if plan["k_conversion"] is not None:
             _convert(plan, session, pairs)
         peer.release(got["round"])
@@ -300,8 +341,9 @@ def _pairs(plan: dict, session, requests: list[dict], rows: torch.Tensor, n: int
     return out
 
 
-def _read(plan: dict, peer: Peer, session, pairs: dict, timeout: float) -> tuple[int, int]:
-    """Every READ of every decode rank, grouped by prefill rank, waited for together."""
+def _read(plan: dict, peer: Peer, session, pairs: dict, computed: int, timeout: float) -> tuple[int, int]:
+    """Every READ of every decode rank, grouped by prefill rank, waited for together; none is
+    posted unless they cover every block the run requires."""
     a = nixl.agent(f"gk-decode-{os.getpid()}-{next(_agents)}")
     tensors = [t for kv in session.kv for t in kv.allocations]
     reg = a.register_memory(tensors)
@@ -325,6 +367,10 @@ def _read(plan: dict, peer: Peer, session, pairs: dict, timeout: float) -> tuple
             base = np.array([t.data_ptr() for t in kv.allocations], dtype=np.int64)
             size = np.array([t.numel() * t.element_size() for t in kv.allocations], dtype=np.int64)
             for j in range(session.steps.rows):
+                short = shortfall(plan, r, pairs[r // tp, j], computed)
+                if short:
+                    raise GkError(f"the transfer plan falls short on decode rank {r}, row {j}: {short} after "
+                                  f"{computed} prefilled positions; nothing was transferred{NO_STEP}")
                 d = descriptors(plan, r, pairs[r // tp, j])
                 if not len(d):
                     continue

@@ -181,14 +181,19 @@ def window_blocks(computed: int, block: int, window: int, truncate: bool = True)
     return range(max(0, query - window + 1) // block, (computed - 1) // block + 1)
 
 
+def group_blocks(group: str, computed: int, block: int, window: int, truncate: bool = True) -> range:
+    """Logical blocks a layer of ``group`` moves for a request with ``computed`` prefilled
+    positions: a full layer every one of them, a sliding layer the window's (``window_blocks``)."""
+    if group == "full":
+        return range(-(-computed // block))
+    return window_blocks(computed, block, window, truncate)
+
+
 def block_pairs(group: str, computed: int, block: int, window: int, decode_ids: dict, prefill_ids: dict,
                 truncate: bool = True) -> np.ndarray:
     """[n, 2] (decode block id, prefill block id) a layer of ``group`` moves for one request.
     ``decode_ids`` / ``prefill_ids``: {"full": [id per logical block], "swa": {logical block: id}}."""
-    if group == "full":
-        lbs = range(-(-computed // block))
-    else:
-        lbs = window_blocks(computed, block, window, truncate)
+    lbs = group_blocks(group, computed, block, window, truncate)
     out = np.empty((len(lbs), 2), dtype=np.int64)
     for k, lb in enumerate(lbs):
         ids = _id(decode_ids[group], lb), _id(prefill_ids[group], lb)
@@ -224,6 +229,20 @@ def descriptors(plan: dict, rank: int, pairs: dict[str, np.ndarray]) -> np.ndarr
                                   np.full(n, s["prefill_rank"]), np.full(n, rd["prefill_region"]),
                                   bp[:, 1] * pl + s["prefill_offset"], np.full(n, s["length"])], axis=1))
     return np.concatenate(rows) if rows else np.empty((0, 6), dtype=np.int64)
+
+
+def shortfall(plan: dict, rank: int, pairs: dict[str, np.ndarray], computed: int) -> str | None:
+    """What one request's reads on decode rank ``rank`` miss of what the run requires, or None:
+    for each layer's K and V, every block of its group (``group_blocks``) whole, the decode
+    block's ``block_len`` bytes."""
+    d = plan["decode"]
+    for rd in plan["ranks"][rank]["reads"]:
+        want = len(group_blocks(rd["group"], computed, d["block_size"], plan["window"], plan["swa"]["truncate"]))
+        got = len(pairs[rd["group"]]) * sum(s["length"] for s in rd["segments"])
+        if got != want * d["block_len"]:
+            return (f"layer {rd['layer']}'s {rd['half']} would receive {got} bytes of the {want * d['block_len']} its "
+                    f"{want} {rd['group']} blocks hold")
+    return None
 
 
 def received_k_blocks(plan: dict, pairs: dict[str, np.ndarray]) -> list[tuple[int, np.ndarray]]:

@@ -53,6 +53,7 @@ class Engine:
     kv_heads: int
     head_dim: int
     window: int
+    vocab_size: int
 
     @property
     def kv_per_rank(self) -> int:
@@ -117,6 +118,9 @@ class Server:
                 not all(isinstance(p, list) and 0 < len(p) <= MAX_PROMPT_LEN for p in prompts) or \
                 len({len(p) for p in prompts}) != 1:
             raise GkError("prefill: prompts must be 1..4096 token lists of one nonzero length")
+        for p in prompts:
+            for t in p:
+                wire.integer(t, "a token id", 0, e.vocab_size)
         n = len(prompts[0]) - 1  # the N-1 rule: the decode computes the last prompt token itself
         key = tuple(tuple(p[:n]) for p in prompts)
         if n and key not in self.cache:
@@ -139,9 +143,10 @@ class Server:
         return {"op": "prefilled", "round": rnd, "computed": n, "requests": requests}
 
     def release(self, msg: dict) -> dict:
-        ids = self.rounds.pop(msg.get("round"), None)
+        rnd = wire.integer(msg.get("round"), "a round")
+        ids = self.rounds.pop(rnd, None)
         if ids is None:
-            raise GkError(f"release: no round {msg.get('round')!r}")
+            raise GkError(f"release: no round {rnd}")
         self.free += ids
         return {"op": "released"}
 
@@ -224,7 +229,7 @@ class Server:
             except GkError:
                 return True  # the peer left
             if msg["op"] == "shutdown":
-                wire.send(conn, {"op": "bye"})
+                _answer(conn, {"op": "bye"})
                 return False
             try:
                 handler = handlers.get(msg["op"])
@@ -235,7 +240,18 @@ class Server:
                 reply = {"op": "error", "message": f"prefill: {ex}"}
             if reply["op"] == "prefilled":
                 mine.add(reply["round"])
-            wire.send(conn, reply)
+            if not _answer(conn, reply):
+                return True  # the peer left
+
+
+def _answer(conn: socket.socket, msg: dict) -> bool:
+    """Send ``msg``; False where the peer has gone (a decode side that left mid-exchange does not
+    end the engine)."""
+    try:
+        wire.send(conn, msg, "prefill side channel")
+        return True
+    except GkError:
+        return False
 
 
 def engine_from_args(a: argparse.Namespace) -> Engine:
@@ -248,7 +264,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     if cfg.num_key_value_heads % a.tp and a.tp % cfg.num_key_value_heads:
         raise GkError(f"--tp {a.tp}: {cfg.num_key_value_heads} kv heads do not split over it")
     return Engine(Path(a.checkpoint), fmt, a.block_size, a.tp, a.num_blocks, cfg.num_hidden_layers,
-                  cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window)
+                  cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window, cfg.vocab_size)
 
 
 def _exit_with_parent() -> None:

@@ -52,11 +52,14 @@ class _Blocks:
         self.full: list[list[int]] = [[] for _ in range(rows)]
         self.swa: list[dict[int, int]] = [{} for _ in range(rows)]  # logical block -> id
         self.block, self.window, self.shared = block, window, form == "stacked"
+        self.size, self.peak = num_blocks, 0  # the most blocks held at once
 
     def _take(self) -> int:
         if not self.free:
             raise GkError("the build's KV budget (num_blocks) is too small for this run; lower the batch or steps")
-        return self.free.pop()
+        b = self.free.pop()
+        self.peak = max(self.peak, self.size - len(self.free))
+        return b
 
     def advance(self, row: int, pos: int) -> None:
         """Blocks for a token at ``pos``; free sliding blocks the window has left for good."""
@@ -72,10 +75,32 @@ class _Blocks:
                 self.free.append(freed)
 
 
-def max_context(m: dict) -> int:
-    """The most positions a sequence of the build with manifest ``m`` can reach: its full block
-    table's width in tokens."""
-    return m["scalars"]["full_table_blocks"] * m["layout"]["kv"]["block_size"]
+def blocks_needed(rows: int, positions: int, block: int, window: int, form: str) -> int:
+    """The most blocks one DP replica's pool holds at once while its ``rows`` rows decode
+    positions 0..positions-1 in step (``_Blocks`` taking and freeing them as a run does): in the
+    paired form every sliding block comes on top of the full ones."""
+    span = -(-positions // block)
+    pool = _Blocks(rows, rows * (span + min(span, -(-window // block) + 2)), block, window, form)
+    for pos in range(positions):
+        for r in range(rows):
+            pool.advance(r, pos)
+    return pool.peak
+
+
+def check_run(m: dict, kv, batch: int, max_len: int) -> None:
+    """A run of ``batch`` sequences over ``max_len`` positions fits the build (manifest ``m``,
+    KV layout ``kv``): its decode.max_context and its KV budget; else one line with the numbers.
+    Cheap: callers check before any model work."""
+    block, nbf = kv.block_size, m["scalars"]["full_table_blocks"]
+    if max_len > nbf * block:
+        raise GkError(f"{max_len} positions exceed the build's decode.max_context of {nbf * block}")
+    rows = batch // m["topology"]["dp"]
+    need = blocks_needed(rows, max_len, block, m["model"]["sliding_window"], kv.form)
+    if need > kv.num_blocks:
+        raise GkError(f"the build's KV budget is too small for this run: {rows} sequences a DP replica over {max_len} "
+                      f"positions need {need} blocks of {block} in the {kv.form} form, the build has "
+                      f"kv_cache.num_blocks {kv.num_blocks}; run fewer positions or rebuild with kv_cache.num_blocks "
+                      f">= {need}")
 
 
 class Controls:
@@ -91,8 +116,7 @@ class Controls:
         self.rope = m["scalars"]["rope"]
         self.block = kv.block_size
         self.nbf, self.num_swa = m["scalars"]["full_table_blocks"], m["scalars"]["swa_table_blocks"]
-        if max_len > max_context(m):
-            raise GkError(f"{max_len} positions exceed the build's decode.max_context of {max_context(m)}")
+        check_run(m, kv, batch, max_len)
         # only the blocks this run can reach: a row holds a full-attention block per block of
         # positions and at most the window's blocks (+2 at its edges) of sliding ones
         span = -(-max_len // self.block)
@@ -110,8 +134,8 @@ class Controls:
             raise GkError(f"{computed} prefilled positions exceed the build's decode.max_context of "
                           f"{self.nbf * self.block}")
         for blocks in self.blocks:
-            for r in range(self.rows):
-                for pos in range(computed):
+            for pos in range(computed):  # position by position, every row: the order ``blocks_needed`` counts
+                for r in range(self.rows):
                     blocks.advance(r, pos)
         self.pos = computed
 

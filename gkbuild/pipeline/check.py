@@ -41,7 +41,8 @@ def problems(build_dir: Path, advance=lambda n: None) -> list[str]:
 
 def program_summary(a: dict, lnc: int) -> dict:
     """One compiled program as ``inspect`` shows it: its kernel (library@commit, entry), the
-    switches it was traced with, batch size, LNC, argument counts, NEFF header version."""
+    switches it was traced with, the doctor answers it relied on, batch size, LNC, argument counts,
+    NEFF header version."""
     k = a.get("kernel") or {}
     src = k.get("source") or {}
     neff = a.get("neff") or {}
@@ -52,7 +53,7 @@ def program_summary(a: dict, lnc: int) -> dict:
             "library": (f"{src['url']}@{src['commit']}" if src.get("commit") else src.get("spec")) if src else None,
             "revision": k.get("revision"), "entry": k.get("entry"), "trace": k.get("trace"), "switches": switches,
             "switches_from_recipe": asked if k.get("switches") else k.get("switch_overrides") or {},
-            "inputs": len(a["inputs"]), "outputs": len(a["outputs"]),
+            "inputs": len(a["inputs"]), "outputs": len(a["outputs"]), "doctor": k.get("host_profile") or {},
             "neff_version": f"{neff['neff_version_major']}.{neff['neff_version_minor']}" if neff else None}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from gkbuild import recipe, verify
 from gkbuild.checkpoint.synth import synthesize
-from gkbuild.compile import conformance, interface, kernel_source, neuron, signature, switches
+from gkbuild.compile import conformance, interface, kernel_source, neuron, rules, signature, switches
 from gkbuild.errors import GkError
 from gkbuild.golden import default_prompts, for_checkpoint
 from gkbuild.model import FULL, SLIDING, preset
@@ -302,9 +302,9 @@ def test_every_configuration_traces_and_verifies(name, fake_sdk, tmp_path, golde
     r = _recipe(sets, libraries=True)
     B = r.decode.batch_sizes[0]
     if r.target == "trn2":
-        with pytest.raises(GkError, match=r"^decode-b\d+: the decode kernel refused its arguments: RuntimeError: "
-                                          r"nc_matmul_mx is available only on NeuronCore-v4 and newer; target trn2"):
-            compile_build(r, out=out, quiet=True, require_neff=True)
+        with pytest.raises(GkError, match=r"^trn2: the decode-b\d+ program is refused by nc_matmul_mx: the MX MoE "
+                                          r"\(src/nkilib_src/.*/moe_block_tkg_utils.py:\d+"):
+            compile_build(r, out=out, quiet=True, require_neff=True)  # the stand-in tree's scan, before any trace
         res = compile_build(r, out=out, quiet=True, compile=False)
     else:
         res = compile_build(r, out=out, quiet=True, require_neff=True)
@@ -349,13 +349,16 @@ def _traced(res, r, sets, out, fake_sdk):
 def _own_library(tmp_path):
     """A decode kernel of one's own with A's interface and a MoE without nc_matmul_mx: what a trn2
     build needs (no published revision has it)."""
+    import shutil
+
     lib = tmp_path / "own"
-    d = lib / "src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss"
-    d.mkdir(parents=True)
-    src = (LIB_A / DECODE_PATH).read_text()
-    (d / "gpt_oss_decode_layer_dp_tp_ep.py").write_text(src.replace("kv_update=", "mx_moe=False, kv_update="))
-    (d / "_switches.py").write_text((LIB_A / DECODE_PATH.replace("gpt_oss_decode_layer_dp_tp_ep.py", "_switches.py"))
-                                   .read_text())
+    shutil.copytree(LIB_A, lib)
+    (lib / DECODE_PATH).write_text((LIB_A / DECODE_PATH).read_text().replace(
+        "moe=validate_moe_block_inputs", "moe=None, mx_moe=False"))
+    rm = lib / DECODE_PATH.replace("experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py", "core/moe")
+    shutil.rmtree(rm)  # no MX MoE: nothing of it is reachable
+    (lib / DECODE_PATH).write_text((lib / DECODE_PATH).read_text().replace(
+        "from ...core.moe.moe_tkg.moe_block_tkg_utils import validate_moe_block_inputs\n", ""))
     return lib
 
 
@@ -375,15 +378,23 @@ def test_trn2_fp8_traces_with_a_trn2_kernel_and_needs_the_e4m3_flag(fake_sdk, tm
 
 
 def test_the_published_decode_on_trn2_is_refused_before_anything_is_traced(fake_sdk, tmp_path):
-    """The published revisions' MoE needs NeuronCore-v4: with the SDK present a trn2 compile stops
-    before the checkout, in one line; without it the build says so beside the skipped stage."""
-    with pytest.raises(GkError, match=r"^trn2: aws-neuron/nki-library@e9ef98fc\w+'s MoE multiplies MXFP4 tiles with "
-                                      r"nki.isa.nc_matmul_mx, which NKI documents as available only on NeuronCore-v4"):
+    """The published revisions' MoE needs NeuronCore-v4 (rule nc_matmul_mx): with the SDK present a
+    trn2 compile stops before the checkout, in one line; so does `gkbuild plan`."""
+    with pytest.raises(GkError, match=r"^trn2: the decode-b128 program is refused by nc_matmul_mx: the MX MoE "
+                                      r"\(moe_block_tkg_utils.py:parse_moe_block_config\) .* trn2 is NeuronCore-v3"):
         compile_build(_recipe([]), out=tmp_path / "b", quiet=True, require_neff=True)
-    assert conformance.isa_refusal(_recipe(["target=trn3"])) is None
-    assert conformance.isa_refusal(_recipe([f"compile.kernels.decode.library={LIB_A}"])) is None  # not a published one
+    assert not (tmp_path / "b" / ".gkbuild" / "neuron").exists()  # nothing traced
+    assert rules.refusal(rules.plan_verdicts(make_plan(_recipe(["target=trn3"]), preset("tiny-topology")))) is None
     r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"))
-    assert r.returncode == 0 and "will not compile" in r.stderr and "NeuronCore-v4" in r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "refused by nc_matmul_mx" in r.stderr, r.stderr
+    # past the rule, the kernel itself refuses on the fake SDK: its MoE's nc_matmul_mx needs NeuronCore-v4
+    from gkbuild.compile import stage
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stage, "_refuse", lambda plan, profile, roots=None: None)
+        with pytest.raises(GkError, match=r"^decode-b128: the decode kernel refused its arguments: RuntimeError: "
+                                          r"nc_matmul_mx is available only on NeuronCore-v4 and newer; target trn2"):
+            compile_build(_recipe([], libraries=True), out=tmp_path / "c", quiet=True, require_neff=True)
 
 
 def _topo_root():
@@ -403,7 +414,7 @@ def test_paired_layers_share_entries_at_four_layers(fake_sdk, tmp_path, goldens)
     out = tmp_path / "b"
     compile_build(r, out=out, quiet=True, require_neff=True)
     dec = _outputs(out, "decode-b128")
-    assert dec[1][0] == [2, 80, 1, 2, 32, 2] and dec[2][0] == [2, 80, 1, 4, 32]
+    assert dec[1][0] == [2, 96, 1, 2, 32, 2] and dec[2][0] == [2, 96, 1, 4, 32]
     rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out)), ck))
     assert rep.ok and rep.kv == "tight", rep.to_dict()
 
@@ -441,11 +452,12 @@ def test_what_the_held_out_run_found_fails_here(fake_sdk, tmp_path):
             k: v for k, v in orig_env(rec, target, base).items()
             if not k.startswith("VLLM_NEURON_MEGA_") or k == switches.KV_UPDATE})
         with pytest.raises(GkError, match=r"SCALE_PACK64: gate/up scale must be \[E_L, 2, 64, H/512, I/4\]"):
-            compile_build(_recipe(["kv_cache.form=paired"], libraries=True), out=tmp_path / "sp", quiet=True,
-                          require_neff=True)
+            compile_build(_recipe(["target=trn3", "kv_cache.form=paired"], libraries=True), out=tmp_path / "sp",
+                          quiet=True, require_neff=True)
     # ... and a recipe asking for it is refused before anything is traced
     with pytest.raises(GkError, match=r"VLLM_NEURON_MEGA_SCALE_PACK64=1 read the gate/up MX scales as"):
-        compile_build(_recipe(["kv_cache.form=paired", "compile.kernel_switches=[VLLM_NEURON_MEGA_SCALE_PACK64=1]"],
+        compile_build(_recipe(["target=trn3", "kv_cache.form=paired",
+                               "compile.kernel_switches=[VLLM_NEURON_MEGA_SCALE_PACK64=1]"],
                               libraries=True), out=tmp_path / "sp2", quiet=True, require_neff=True)
     # 4. without cpu_backend a NeuronCore is needed: the device mode says so in one line
     with pytest.raises(GkError, match=r"torch_neuronx.trace failed: RuntimeError: no Neuron device found"):

@@ -49,8 +49,8 @@ def test_per_rank_signatures_of_tiny_topology():
     assert s["rank_id"] == ((1, 1), "uint32", "rank")
     # packed FP8 K, stacked: one K and one V tensor with a layer an entry; trn2's e4m3 travels as
     # float8_e4m3fn (torch has no IEEE e4m3; NCC_EVRF051's route)
-    assert s["K_cache"] == ((2, 80, 1, 2, 32, 2), "float8_e4m3fn", "kv_buffer")
-    assert s["V_cache"] == ((2, 80, 1, 4, 32), "float8_e4m3fn", "kv_buffer")
+    assert s["K_cache"] == ((2, 96, 1, 2, 32, 2), "float8_e4m3fn", "kv_buffer")
+    assert s["V_cache"] == ((2, 96, 1, 4, 32), "float8_e4m3fn", "kv_buffer")
     assert s["k_scale"] == ((1, 1), "float32", "constant") and dec.input("k_scale").value == 1.0
     assert [o["name"] for o in dec.outputs] == ["x_shard", "K_cache", "V_cache"]
     assert dec.outputs[1]["aliases"] == "K_cache"
@@ -70,14 +70,14 @@ def test_per_rank_signatures_of_tiny_topology():
     assert _shapes(signature.neuron_tail(_topo("tail.runtime_draw=true"), 128))["sampling_params"][0] == (1, 4)
     assert _shapes(signature.neuron_decode(_topo("target=trn3"), 128))["K_cache"][1] == "float8_e4m3fn"
     bf = _shapes(signature.neuron_decode(_topo("kv_cache.dtype=bf16", "kv_cache.packed=false"), 128))
-    assert bf["K_cache"] == ((2, 80, 1, 4, 32), "bfloat16", "kv_buffer") and "k_scale" not in bf
+    assert bf["K_cache"] == ((2, 96, 1, 4, 32), "bfloat16", "kv_buffer") and "k_scale" not in bf
 
 
 def test_paired_signature():
     """F's layer-pair form: ceil(L/2) entries of the same tensors, and the sliding layers' own update index."""
     s = _shapes(signature.neuron_decode(_topo("kv_cache.form=paired"), 128))
-    assert s["K_cache"] == ((1, 80, 1, 2, 32, 2), "float8_e4m3fn", "kv_buffer") and "K_cache_buf_0" not in s
-    assert s["V_cache"][0] == (1, 80, 1, 4, 32)
+    assert s["K_cache"] == ((1, 96, 1, 2, 32, 2), "float8_e4m3fn", "kv_buffer") and "K_cache_buf_0" not in s
+    assert s["V_cache"][0] == (1, 96, 1, 4, 32)
     assert s["kv_cache_update_idx_swa"] == ((8, 1), "uint32", "control")
     big = _shapes(signature.neuron_decode(_plan(sets=["kv_cache.form=paired"]), 128))
     assert big["K_cache"][0] == (18, 14563, 1, 64, 64, 2) and not any(n.startswith("K_cache_buf") for n in big)
@@ -159,12 +159,12 @@ def test_trace_environment_sets_every_switch_the_revision_reads():
 
 
 def test_show_compile_prints_every_program_of_every_batch_size():
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--show-compile", "--set",
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--show-compile", "--set",
                 "decode.batch_sizes=[128, 256]")
     lines = [line for line in r.stdout.splitlines() if "torch_neuronx.trace" in line]
     assert r.returncode == 0 and len(lines) == 4, r.stderr
     assert ["decode-b128.neff" in lines[0], "tail-b128.neff" in lines[1], "decode-b256.neff" in lines[2]] == [True] * 3
-    assert "--lnc=1" in lines[0] and shlex.split(lines[0])[0] == "NEURON_PLATFORM_TARGET_OVERRIDE=trn2"
+    assert "--lnc=1" in lines[0] and shlex.split(lines[0])[0] == "NEURON_PLATFORM_TARGET_OVERRIDE=trn3"
     r = run_cli("plan", str(RECIPES / "tiny-cpu.yaml"), "--show-compile", "--json")
     assert "aoti_compile_and_package" in json.loads(r.stdout)["compile"][0]
 

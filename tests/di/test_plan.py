@@ -188,3 +188,46 @@ def test_di_plan_prints_a_build_and_refuses_set_on_one(tmp_path):
     assert "each received K block is relaid in place" in r.stdout
     r = run_cli("di", "plan", str(out), "--set", "kv_cache.dtype=bf16")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["gkbuild: error: --set applies to a recipe, not to a build"]
+
+
+def test_blocks_needed_is_the_pools_peak():
+    """A DP replica's 8 sequences over 31 positions (blocks of 4, window 8): 8 full blocks each;
+    paired adds 3 sliding ones at the peak (the window's 2 and the one being taken). A pool of
+    exactly that many runs; one block fewer does not."""
+    from gkbuild.kernels.driver import _Blocks, blocks_needed
+
+    for form, want in (("stacked", 8 * 8), ("paired", 8 * (8 + 3))):
+        assert blocks_needed(8, 31, 4, 8, form) == want
+        for size, fits in ((want, True), (want - 1, False)):
+            pool = _Blocks(8, size, 4, 8, form)
+            try:
+                for pos in range(31):
+                    for r in range(8):
+                        pool.advance(r, pos)
+                ran = True
+            except GkError:
+                ran = False
+            assert ran == fits, (form, size)
+
+
+@pytest.mark.parametrize("form", ["stacked", "paired"])
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipes_di_verify_fits_its_kv_budget(path, form):
+    """`gkbuild verify BUILD --prefill nixl` with its defaults (prompts of each covering length,
+    then --steps' default) fits the KV budget of every shipped recipe in both forms: the check
+    every run passes (``driver.check_run``) holds before any transfer."""
+    from gkbuild import recipe
+    from gkbuild.checkpoint.source import parse, synth_config
+    from gkbuild.cli import verify as verify_cmd
+    from gkbuild.kernels.driver import check_run
+    from gkbuild.model import preset
+    from gkbuild.plan import make_plan
+
+    r = recipe.load(path, [f"kv_cache.form={form}"])
+    spec = parse(r.source)  # a hub source: the preset of its repo's name (no hub reached)
+    cfg = synth_config(spec) if spec.kind == "synth" else preset(spec.uri.split("/")[-1].split("@")[0])
+    p = make_plan(r, cfg)
+    steps = next(o.default for o in verify_cmd.params if o.name == "steps")
+    m = {"scalars": p.scalars, "topology": {"dp": r.topology.dp}, "model": {"sliding_window": cfg.sliding_window}}
+    for n in di.covering_lengths(p.kv.block_size, cfg.sliding_window):
+        check_run(m, p.kv, max(r.decode.batch_sizes), n + steps)

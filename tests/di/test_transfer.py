@@ -24,6 +24,7 @@ from gkbuild.kernels.driver import Session
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.runtime import Build
 from tests.conftest import RECIPES, run_cli
+from tests.di.fake_prefill import MARGIN, fake_prefill, scripted
 from tests.di.faults import CATALOGUE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,9 +140,23 @@ def test_the_n_minus_1_rule_only_shows_at_its_boundary(builds, goldens, engines)
     assert rep.ok, rep.to_dict()
 
 
+def _warm(build, endpoint, g) -> None:
+    """The engine computes ``g``'s prompts now (it keeps the last prompts' K/V): a test with a
+    short deadline then times the exchange it is about, not the reference's first run."""
+    b = Build.open(build)
+    peer = di_decode.Peer(endpoint, timeout=300)
+    try:
+        peer.check(di_decode.plan_of(b, 4), verify.build_kv(b.manifest))
+        peer.release(peer.prefill(g.token_ids[:, :g.prompt_len].tolist())["round"])
+    finally:
+        peer.close()
+        b.close()
+
+
 def test_a_stalled_prefill_times_out_in_one_line_and_no_step_runs(builds, goldens, engines, monkeypatch, no_steps):
     """The prefill process stopped (SIGSTOP) after it answered: its UCX worker serves no READ."""
     endpoint, proc = engines["fp8"]
+    _warm(builds["stacked-fp8"], endpoint, goldens["fp8", 12])
     orig = di_decode._read
 
     def stop_then_read(*a, **k):
@@ -179,6 +194,92 @@ def test_a_prefill_that_dies_mid_transfer_is_one_line_and_no_step_runs(builds, g
     assert msg.startswith("NIXL READ from gk-prefill-") and " failed" in msg, msg
     assert msg.endswith("no decode step ran on the partial cache") and "\n" not in msg
     assert not no_steps
+
+
+def test_a_prefill_silent_after_the_transfer_is_one_line_at_the_deadline(builds, goldens, engines, tmp_path,
+                                                                        monkeypatch, no_steps):
+    """A prefill that serves every READ but never acknowledges the release of its blocks (a fake
+    in front of the real engine swallows ``release``): the release's deadline ends the pull."""
+    took = []
+    release = di_decode.Peer.release
+
+    def timed(self, rnd):
+        t = time.monotonic()
+        try:
+            return release(self, rnd)
+        finally:
+            took.append(time.monotonic() - t)
+
+    _warm(builds["stacked-fp8"], engines["fp8"][0], goldens["fp8", 12])
+    monkeypatch.setattr(di_decode.Peer, "release", timed)
+    with fake_prefill(tmp_path, "proxy", str(engines["fp8"][0][1]), "--drop", "release") as (endpoint, log):
+        spec = Prefill(endpoint=endpoint, timeout=5)
+        with pytest.raises(GkError) as e:
+            verify.run(builds["stacked-fp8"], golden=goldens["fp8", 12], prefill=spec)
+        assert log.read_text().splitlines()[:4] == ["connect", "recv hello", "recv prefill", "recv release"]
+    assert str(e.value) == (f"prefill at {endpoint[0]}:{endpoint[1]}: the release did not complete within 5 s "
+                            f"(--transfer-timeout); no decode step ran")
+    assert len(took) == 1 and 5 <= took[0] < 5 + MARGIN, took
+    assert not no_steps
+
+
+def test_a_prefill_that_computed_nothing_fails_naming_what_is_missing(builds, goldens, engines, tmp_path, no_steps):
+    """A prefill answering ``computed: 0`` (a fake in front of the real engine rewrites its
+    reply): the verify fails, where it used to pass having moved 0 bytes."""
+    with fake_prefill(tmp_path, "proxy", str(engines["fp8"][0][1]), "--set", "prefilled.computed=0") as (ep, _):
+        with pytest.raises(GkError) as e:
+            verify.run(builds["stacked-fp8"], golden=goldens["fp8", 12], prefill=Prefill(endpoint=ep, timeout=30))
+    assert str(e.value) == (f"prefill at {ep[0]}:{ep[1]}: the prefill computed 0 positions of prompts of 12 tokens; "
+                            f"the run needs their first 11 (N-1); no decode step ran")
+    assert not no_steps
+
+
+def test_a_plan_that_reads_part_of_a_block_fails_before_any_transfer(builds, goldens, engines, monkeypatch,
+                                                                      no_steps):
+    """A plan whose reads leave a block part-filled (layer 1's V: none) is refused before a READ
+    is posted, naming the layer, half and bytes."""
+    posted = []
+    monkeypatch.setattr(nixl.Reads, "post", lambda self, *a: posted.append(a))
+
+    def drop_layer_1_v(plan):
+        for r in plan["ranks"]:
+            for rd in r["reads"]:
+                if (rd["layer"], rd["half"]) == (1, "V"):
+                    rd["segments"] = []
+        return plan
+
+    with pytest.raises(GkError) as e:
+        verify.run(builds["stacked-fp8"], golden=goldens["fp8", 12],
+                   prefill=Prefill(endpoint=engines["fp8"][0], edit=drop_layer_1_v))
+    assert str(e.value) == ("the transfer plan falls short on decode rank 0, row 0: layer 1's V would receive 0 bytes "
+                            "of the 384 its 3 full blocks hold after 11 prefilled positions; nothing was transferred; "
+                            "no decode step ran")
+    assert not posted and not no_steps
+
+
+def test_a_run_past_the_kv_budget_is_refused_before_any_work(builds, tmp_path, monkeypatch):
+    """Paired draws a layer pair's sliding blocks apart from its full ones: a DI verify of 40 steps
+    after prompts of 15 (55 positions) needs 8 sequences x (14 full + 3 sliding: the window's 2
+    and the one being taken) = 136 blocks of the paired build's 96. Refused with the numbers
+    before a golden is computed, a prefill process started or the peer reached."""
+    import gkbuild.golden
+
+    computed, started = [], []
+    monkeypatch.setattr(gkbuild.golden, "for_checkpoint", lambda *a, **k: computed.append(1))
+    monkeypatch.setattr(di_decode, "prefill_process", lambda *a, **k: started.append(1))
+    want = ("the build's KV budget is too small for this run: 8 sequences a DP replica over 55 positions need 136 "
+            "blocks of 4 in the paired form, the build has kv_cache.num_blocks 96; run fewer positions or rebuild with "
+            "kv_cache.num_blocks >= 136")
+    with scripted(tmp_path, []) as (endpoint, log):
+        with pytest.raises(GkError) as e:
+            verify.run(builds["paired-fp8"], steps=40, prompt_len=15, prefill=Prefill(endpoint=endpoint))
+        assert str(e.value) == want
+        assert log.read_text() == ""  # never connected
+    with pytest.raises(GkError) as e:  # the command line's own prefill engine: never started
+        with di_decode.serving(builds["paired-fp8"], 4, None, None, 5, steps=40):
+            pass
+    assert str(e.value) == want
+    assert not computed and not started
 
 
 def test_without_nixl_verify_says_what_to_install(builds, monkeypatch, tmp_path):

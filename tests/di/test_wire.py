@@ -1,10 +1,10 @@
 """The DI side channel is data from another process: every hostile answer is one line, before
-anything is allocated from it or a descriptor is built."""
+anything is allocated from it or a descriptor is built; a peer that stalls is one line within the
+deadline. The peer is a fake prefill process on 127.0.0.1 (``fake_prefill``)."""
 
 import json
-import socket
 import struct
-import threading
+import time
 
 import pytest
 
@@ -13,6 +13,8 @@ from gkbuild.di.decode import Peer
 from gkbuild.errors import GkError
 from gkbuild.reference import KvFormat
 from tests.conftest import RECIPES
+from tests.di.fake_prefill import frame as _frame
+from tests.di.fake_prefill import MARGIN, scripted
 
 
 def _plan() -> dict:
@@ -41,32 +43,8 @@ def _ranks(**over) -> list:
             for p in range(4)]
 
 
-def _frame(obj) -> bytes:
-    return _frame_raw(json.dumps(obj).encode())
-
-
 def _frame_raw(data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + data
-
-
-def _serve(answers: list[bytes]):
-    """A side channel that sends ``answers``, one after each message it receives."""
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(1)
-
-    def run():
-        conn, _ = ls.accept()
-        with conn:
-            for a in answers:
-                n = struct.unpack(">I", conn.recv(4))[0]
-                while n:
-                    n -= len(conn.recv(n))
-                conn.sendall(a)
-        ls.close()
-
-    threading.Thread(target=run, daemon=True).start()
-    return ls.getsockname()
 
 
 def _hello(**over) -> bytes:
@@ -84,9 +62,9 @@ def _hello(**over) -> bytes:
     (_frame({"op": "hello", "version": 1}), "a hello without its engine and ranks"),
     (b"", "the peer closed the connection"),
 ])
-def test_a_hostile_hello_is_one_line(answer, message):
-    with pytest.raises(GkError) as e:
-        Peer(_serve([answer]))
+def test_a_hostile_hello_is_one_line(tmp_path, answer, message):
+    with scripted(tmp_path, [answer]) as (endpoint, _), pytest.raises(GkError) as e:
+        Peer(endpoint, timeout=5)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -100,25 +78,79 @@ def test_a_hostile_hello_is_one_line(answer, message):
     (_engine(), _ranks(regions=[{"addr": -5, "len": 4096}] * 2), "rank 0 region address is -5"),
     (_engine(), _ranks(regions=[{"addr": 1, "len": 10}] * 2), "rank 0's regions are not 16 blocks of 256 bytes"),
 ])
-def test_an_engine_that_is_not_the_plans_is_refused(engine, ranks, message):
-    peer = Peer(_serve([_frame({"op": "hello", "version": 1, "engine": engine, "ranks": ranks})]))
-    with pytest.raises(GkError) as e:
-        peer.check(PLAN, FMT)
+def test_an_engine_that_is_not_the_plans_is_refused(tmp_path, engine, ranks, message):
+    with scripted(tmp_path, [_frame({"op": "hello", "version": 1, "engine": engine, "ranks": ranks})]) as (ep, _):
+        peer = Peer(ep)
+        with pytest.raises(GkError) as e:
+            peer.check(PLAN, FMT)
+        peer.close()
     assert message in str(e.value) and "\n" not in str(e.value)
-    peer.close()
 
 
-@pytest.mark.parametrize("requests,message", [
-    ([{"full": [0, 99], "swa": {}}], "a block id is 99; expected an integer in 0..15"),
-    ([{"full": [0], "swa": {"x": 1}}], "a logical block is None"),
-    ([{"full": "all", "swa": {}}], "a request's block ids are"),
-    ([], "is not one block list a prompt"),
+def _prefilled(**over) -> bytes:
+    return _frame({"op": "prefilled", "round": 0, "computed": 5, "requests": [{"full": [0, 1], "swa": {"1": 2}}],
+                   **over})
+
+
+@pytest.mark.parametrize("reply,message", [
+    (_prefilled(requests=[{"full": [0, 99], "swa": {}}]), "a block id is 99; expected an integer in 0..15"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"x": 1}}]), "a logical block is 'x'; expected ASCII decimal digits"),
+    # str.isdigit() takes both: "²" was a ValueError traceback, "١" (Arabic-Indic one) silently block 1
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"²": 3}}]), "a logical block is '²'; expected ASCII decimal digits"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"١": 3}}]), "a logical block is '١'; expected ASCII decimal digits"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"01": 3}}]), "a logical block is '01'; expected ASCII decimal"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"-1": 3}}]), "a logical block is '-1'; expected ASCII decimal"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"9" * 5000: 3}}]), "; expected ASCII decimal digits"),
+    (_prefilled(requests=[{"full": [0, 1], "swa": {"2": 3}}]), "a logical block is 2; expected an integer in 0..1"),
+    (_prefilled(requests=[{"full": "all", "swa": {}}]), "a request's block ids are"),
+    (_prefilled(requests=[]), "is not one block list a prompt"),
+    (_prefilled(round="0"), "round is '0'; expected an integer"),
+    (_prefilled(computed="5"), "computed positions is '5'; expected an integer in 0..5"),
+    (_prefilled(computed=5.0), "computed positions is 5.0; expected an integer in 0..5"),
+    # less than the run asked for: nothing, or one position short of N-1
+    (_prefilled(computed=0, requests=[{"full": [], "swa": {}}]),
+     "the prefill computed 0 positions of prompts of 6 tokens; the run needs their first 5 (N-1); no decode step ran"),
+    (_prefilled(computed=4, requests=[{"full": [0], "swa": {}}]), "the prefill computed 4 positions of prompts of 6"),
+    (_prefilled(requests=[{"full": [0], "swa": {}}]),
+     "request 0 hands over 1 full-attention blocks; its 5 computed positions fill 2 blocks of 4; no decode step ran"),
 ])
-def test_hostile_block_ids_are_refused(requests, message):
-    reply = _frame({"op": "prefilled", "round": 0, "computed": 5, "requests": requests})
-    peer = Peer(_serve([_hello(), reply]))
-    peer.check(PLAN, FMT)
-    with pytest.raises(GkError) as e:
-        peer.prefill([[1, 2, 3, 4, 5, 6]])
-    assert message in str(e.value)
-    peer.close()
+def test_a_hostile_prefill_reply_is_one_line(tmp_path, reply, message):
+    with scripted(tmp_path, [_hello(), reply]) as (endpoint, _):
+        peer = Peer(endpoint, timeout=5)
+        peer.check(PLAN, FMT)
+        with pytest.raises(GkError) as e:
+            peer.prefill([[1, 2, 3, 4, 5, 6]])
+        peer.close()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_good_prefill_reply_is_taken(tmp_path):
+    with scripted(tmp_path, [_hello(), _prefilled()]) as (endpoint, _):
+        peer = Peer(endpoint, timeout=5)
+        peer.check(PLAN, FMT)
+        assert peer.prefill([[1, 2, 3, 4, 5, 6]]) == {"round": 0, "computed": 5,
+                                                      "requests": [{"full": [0, 1], "swa": {1: 2}}]}
+        peer.close()
+
+
+TIMEOUT = 1.0
+
+
+@pytest.mark.parametrize("answers,delay,phase", [
+    ([], 0, "handshake"),  # accepts and never answers
+    ([_hello()], 0.2, "handshake"),  # slow-loris: its hello a byte every 0.2 s, each byte in time for a per-recv timeout
+    ([_hello()], 0, "prefill"),  # silent once it has said hello
+    ([_hello(), _prefilled()], 0, "release"),  # silent after the transfer: never acknowledges the release
+], ids=["silent", "slow-loris", "silent-prefill", "silent-release"])
+def test_a_stalled_peer_is_one_line_at_the_deadline(tmp_path, answers, delay, phase):
+    with scripted(tmp_path, answers, "--byte-delay", str(delay)) as (endpoint, log):
+        t = time.monotonic()
+        with pytest.raises(GkError) as e:
+            peer = Peer(endpoint, timeout=TIMEOUT)
+            peer.check(PLAN, FMT)
+            peer.release(peer.prefill([[1, 2, 3, 4, 5, 6]])["round"])
+        took = time.monotonic() - t
+    assert str(e.value) == (f"prefill at {endpoint[0]}:{endpoint[1]}: the {phase} did not complete within 1 s "
+                            f"(--transfer-timeout); no decode step ran")
+    assert TIMEOUT <= took < TIMEOUT + MARGIN, took
+    assert log.read_text().splitlines()[-1] == f"recv {phase if phase != 'handshake' else 'hello'}"

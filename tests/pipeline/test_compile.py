@@ -193,11 +193,11 @@ def test_manifest(topo):
     assert m["compile"]["status"].startswith("skipped") and m["compile"]["artifacts"] == []
     assert m["tools"]["gkbuild"] and m["tools"]["python"] and m["tools"]["torch"]
     kv = json.loads((out / "layout/kv.json").read_text())
-    assert kv["form"] == "stacked" and kv["entries"] == 2 and kv["k_shape"] == [2, 80, 1, 2, 32, 2]
-    assert len(kv["di_regions"]) == 4 and kv["di_regions"][2] == {"entry": 1, "half": "K", "tensor": "K_cache", "offset": 80 * 4 * 32, "block_len": 4 * 32, "count": 80, "layers": [1]}
+    assert kv["form"] == "stacked" and kv["entries"] == 2 and kv["k_shape"] == [2, 96, 1, 2, 32, 2]
+    assert len(kv["di_regions"]) == 4 and kv["di_regions"][2] == {"entry": 1, "half": "K", "tensor": "K_cache", "offset": 96 * 4 * 32, "block_len": 4 * 32, "count": 96, "layers": [1]}
     assert kv["update_indices"] == ["full"] and kv["kv_heads_of_rank"]["9"] == [1] and "N-1" in kv["swa_di_truncation"]
     b = kv["budget"]
-    assert (b["mode"], b["num_blocks"], b["reserve_bytes"]) == ("given", 80, 2**30)
+    assert (b["mode"], b["num_blocks"], b["reserve_bytes"]) == ("given", 96, 2**30)
     assert b["device_bytes"] == dev["total_bytes"] and b["host_bytes"] == 2048 * 512 * 2
     t = json.loads((out / "layout/tail.json").read_text())
     assert t["owned_rows"]["128"]["9"] == [17]  # hop digits (9 % 8, 9 // 8) = (1, 1): row 1*16 + 1*1

@@ -33,10 +33,12 @@ from _checks import WEIGHTS, check_layer, dtype_name, kernel_assert
 INT_IDS = ("int32", "uint32", "int64")
 
 
-def make(paired: bool, kv_update, weights_check=None, mx_moe: bool = True):
+def make(paired: bool, kv_update, weights_check=None, mx_moe: bool = True, k_update=None, moe=None):
     """The body for one revision: ``paired`` (F's i // 2 entries), ``kv_update()`` reads the switch,
     ``weights_check(w)`` is what the revision's MoE modules assert of a layer's weights, ``mx_moe``
-    whether its MoE multiplies the MX tiles with nc_matmul_mx (both published revisions do)."""
+    whether its MoE multiplies the MX tiles with nc_matmul_mx (both published revisions do), after
+    ``moe(weights, scales)`` (its ``validate_moe_block_inputs``); ``k_update(K)`` is the packed-K
+    update's own FP8 tensor (``_k_update_fp8_packed``)."""
 
     def body(**a):
         x_shard, L, tp = a["x_shard"], a["num_layers"], a["tp_size"]
@@ -63,12 +65,15 @@ def make(paired: bool, kv_update, weights_check=None, mx_moe: bool = True):
             cos = torch.zeros((half, B_attn, S), dtype=cos.dtype)
             sin = torch.zeros((half, B_attn, S), dtype=sin.dtype)
         K, V = a["K_cache"], a["V_cache"]
+        if K.ndim == 6 and k_update is not None:  # packed FP8 K: written through the kernel's own e4m3 view
+            k_update(K)
         for i in range(L):
             sliding = i % 2 == 0
             w = {n: a[n][i if a[n].shape[0] == L else 0] for n in WEIGHTS}
             if weights_check is not None:
                 weights_check(w)
-            if mx_moe and dtype_name(w["expert_gate_up_weights"]) == "uint16":  # MX tiles: the MoE's MX matmul
+            if mx_moe:  # MX tiles (as the kernel sees their dtype): the MoE's MX matmul
+                moe(w["expert_gate_up_weights"], w["expert_gate_up_weights_scale"])
                 isa.nc_matmul_mx(None, w["expert_gate_up_weights"], x_shard, w["expert_gate_up_weights_scale"], None)
 
             def entry(t):
