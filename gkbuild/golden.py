@@ -28,6 +28,7 @@ from .reference import KvFormat
 
 FORMAT = "gkbuild-golden-3"
 TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap", "final_norm", "expert_inputs", "expert_outputs")
+FLOATS = {"fp32", "bf16", "fp16"}  # what a golden's values may be stored as
 OLDER = {"gkbuild-golden-1": "no KV format, no router margins",
          "gkbuild-golden-2": "no per-expert probes, no final-norm output"}
 # 4 prompts x 64 positions of the 120b model, with every expert's probe outputs, are ~0.6 GB
@@ -123,7 +124,7 @@ class Golden:
             g.kv  # noqa: B018 - validates the recorded KV format
         except (KeyError, ValueError, TypeError) as e:
             raise GkError(f"{path}: golden metadata is damaged ({e})") from None
-        problem = g.problem()
+        problem = _values_problem(h, t) or g.problem()
         if problem:
             raise GkError(f"{path}: {problem}")
         return g
@@ -148,6 +149,21 @@ class Golden:
                                   or not all(isinstance(x, str) for x in texts)):
             return f"golden prompt texts are not {P} strings"
         return None
+
+
+def _values_problem(h, t: dict) -> str | None:
+    """Why a golden's value tensors cannot be a reference (integer, or NaN, or infinite where a
+    model's numbers are finite: only a router gap is infinite, when every expert is chosen), or None."""
+    for k in TENSORS:
+        if k in ("token_ids", "routing"):
+            continue
+        if h.tensors[k].dtype.name not in FLOATS:
+            return f"golden tensor {k} is {h.tensors[k].dtype.name}, not floating point: a bad golden"
+        bad = torch.isnan if k == "router_gap" else lambda x: ~torch.isfinite(x)
+        if any(bool(bad(c).any()) for c in t[k].reshape(-1).split(1 << 24)):  # bounded temporaries
+            what = "NaN" if k == "router_gap" else "NaN or infinite values"
+            return f"golden tensor {k} holds {what}: a bad golden (regenerate it with `gkbuild golden`)"
+    return None
 
 
 def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None,

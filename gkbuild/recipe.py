@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from .errors import GkError, shown
-from .jsonio import MAX_DEPTH
+from .jsonio import MAX_DEPTH, open_regular
 from .layout.tail import batch_groups_refusal
 from .layout.dims import MX_TILE, pad_to
 from .layout.kv import FORMS as KV_FORMS
@@ -513,7 +513,7 @@ def read_text(path: Path) -> str:
     try:
         if path.is_dir():
             raise GkError(f"{path}: is a folder, not a recipe file")
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(MAX_RECIPE + 1)
     except FileNotFoundError:
         raise GkError(f"{path}: recipe not found") from None

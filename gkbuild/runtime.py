@@ -29,11 +29,11 @@ from . import dtypes, jsonio
 from .pipeline import manifest as mf
 from .checkpoint.safetensors_io import MappedFile, read_header
 from .errors import GkError, shown
-from .layout.kv import FORMS, KvLayout
+from .layout import validate
+from .layout.kv import KvLayout
 from .paths import confined, inside
 
 VERIFY = ("hash", "size", "none")
-KV_DTYPES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e4m3fn": 1}
 
 
 @dataclass
@@ -88,6 +88,7 @@ class Build:
         self._maps: dict[str, MappedFile] = {}
         self._checked: set[str] = set()
         self.signature = None  # who signed the manifest (``signing.Verified``), when opened with ``trust``
+        self._layouts: dict[str, dict] = {}
 
     @classmethod
     def open(cls, path: Path | str, target: str | None = None, world_size: int | None = None,
@@ -128,6 +129,8 @@ class Build:
                           f"this runtime has {world_size}")
         build = cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest())
         build.signature = signed
+        build._kv = validate.kv(build.layout_doc("kv"), m, root)
+        validate.tail(build.layout_doc("tail"), m, root)
         return build
 
     @property
@@ -253,16 +256,18 @@ class Build:
         return torch._inductor.aoti_load_package(str(p))
 
     def layout_doc(self, kind: str) -> dict:
-        """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard."""
-        p = self.file(self.manifest["layout"][kind]["file"])
-        doc = jsonio.read(p, mf.MAX_MANIFEST)
-        if not isinstance(doc, dict):
-            raise GkError(f"{p}: not a JSON object")
-        return doc
+        """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard
+        (read once: ``open`` holds both to the manifest, ``layout.validate``)."""
+        if kind not in self._layouts:
+            p = self.file(self.manifest["layout"][kind]["file"])
+            doc = jsonio.read(p, mf.MAX_MANIFEST)
+            if not isinstance(doc, dict):
+                raise GkError(f"{p}: not a JSON object")
+            self._layouts[kind] = doc
+        return self._layouts[kind]
 
     def kv_layout(self) -> KvLayout:
-        return _kv_checked(self.layout_doc("kv"), self.manifest["layout"]["kv"],
-                           self.root / self.manifest["layout"]["kv"]["file"])
+        return self._kv
 
     def allocate_kv(self, num_blocks: int | None = None, one_layer: bool = False) -> KvBuffers:
         """Zeroed KV buffers for one rank in the build's form (optionally fewer blocks than the
@@ -292,21 +297,3 @@ class Build:
             m.close()
         self._maps.clear()
 
-
-def _kv_checked(doc: dict, entry: dict, where: Path) -> KvLayout:
-    """A KvLayout from ``kv.json`` only if every value is in range and agrees with the manifest
-    (nothing is allocated from an unchecked number)."""
-    ints = ("num_layers", "num_blocks", "kv_heads", "block_size", "head_dim", "itemsize")
-    for k in ints:
-        v = doc.get(k)
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 31:
-            raise GkError(f"{where}: {k} is {shown(v)}; expected an integer in 1..{1 << 31}")
-    if doc.get("dtype") not in KV_DTYPES or KV_DTYPES[doc["dtype"]] != doc["itemsize"] \
-            or not isinstance(doc.get("packed"), bool):
-        raise GkError(f"{where}: dtype {shown(doc.get('dtype'))} / itemsize / packed are not a KV format")
-    if doc.get("form") not in FORMS:
-        raise GkError(f"{where}: form {shown(doc.get('form'))} is not one of {', '.join(FORMS)}")
-    for k in ("form", "num_blocks", "block_size", "dtype", "packed"):
-        if doc[k] != entry.get(k):
-            raise GkError(f"{where}: {k} is {shown(doc[k])}, the manifest says {shown(entry.get(k))}")
-    return KvLayout(**{k: doc[k] for k in ("form", *ints[:5], "dtype", "itemsize", "packed")})

@@ -320,12 +320,12 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
 
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     fmt = build_kv(m)
-    if golden is None and not texts:  # the run's length is known: refuse one the build cannot hold before any work
+    if golden is None:
         from .kernels.driver import check_run
 
-        check_run(m, build.kv_layout(), batch, prompt_len + steps)
-    if golden is None:
-        g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet)
+        def fits(positions: int) -> None:  # a run the build cannot hold is refused before any model work
+            check_run(m, build.kv_layout(), batch, positions)
+        g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet, fits)
     else:
         g = golden if isinstance(golden, Golden) else Golden.load(golden)
         want = checkpoint_hash(m["source"]["files"])
@@ -389,20 +389,23 @@ def continuations(g, predicted: torch.Tensor, tok=None) -> list[dict]:
 
 
 def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: int, steps: int, device: str,
-                quiet: bool):
-    """The golden of the build's source in the build's KV format."""
+                quiet: bool, fits):
+    """The golden of the build's source in the build's KV format; ``fits(positions)`` refuses a
+    run the build cannot hold, called once the length is known (text prompts: their token count)."""
     from .checkpoint.source import materialize, parse
     from .golden import default_prompts, for_checkpoint
 
     # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
     spec = parse(m["source"]["uri"], base=Path.cwd())
-    root = materialize(spec)
     if texts:
         from . import text
 
         ids = text.encode(text.tokenizer(spec), texts, chat)
-        return for_checkpoint(root, ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
-    return for_checkpoint(root, default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt, device, quiet)
+        fits(max(map(len, ids)) + steps)
+        return for_checkpoint(materialize(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
+    fits(prompt_len + steps)
+    return for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
+                          device, quiet)
 
 
 @dataclass

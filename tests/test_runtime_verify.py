@@ -1,6 +1,7 @@
 """The runtime checks what it reads: hashes (remembered per host), kv.json and tail.json, pinned
 build ids, paths that leave the folder, KV sizes bounded before allocation."""
 
+import dataclasses
 import json
 import shutil
 
@@ -8,10 +9,14 @@ import pytest
 
 from gkbuild import recipe
 from gkbuild.errors import GkError
+from gkbuild.layout.kv import KvLayout
 from gkbuild.pipeline import manifest as mf
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.runtime import Build
-from tests.conftest import RECIPES
+from tests.conftest import RECIPES, run_cli
+from tests.forge import forge, kv_doc
+
+KV_FIELDS = [f.name for f in dataclasses.fields(KvLayout)]
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +48,86 @@ def test_one_flipped_bit_in_a_shard_is_refused(build):
 
 def test_kv_and_tail_json_are_checked(build):
     p = build / "layout" / "kv.json"
-    doc = json.loads(p.read_text())
+    original = p.read_bytes()
+    doc = json.loads(original)
     doc["num_blocks"] = 10**12
     p.write_text(json.dumps(doc))
     with pytest.raises(GkError, match=r"kv.json: \d+ bytes, the manifest says \d+"):
         Build.open(build).allocate_kv()
     with pytest.raises(GkError, match=r"kv.json: num_blocks is 1000000000000; expected an integer in 1..2147483648"):
         Build.open(build, verify="none").allocate_kv()
+    p.write_bytes(original)  # opening a build checks both layouts: kv.json first
     _flip(build / "layout" / "tail.json", 5)
     with pytest.raises(GkError, match=r"tail.json: refused: sha256"):
         Build.open(build).layout_doc("tail")
 
 
+def _consistent(doc: dict, **changes) -> None:
+    """``kv.json`` with its scalars changed and every field derived from them following."""
+    lay = dataclasses.replace(KvLayout(**{k: doc[k] for k in KV_FIELDS}), **changes)
+    doc.update(json.loads(json.dumps(lay.describe())))
+
+
+def _one_line(r, match: str) -> None:
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gkbuild: error:") and match in lines[0], r.stderr
+
+
+def test_di_plan_of_a_forged_kv_layout_is_one_line(build):
+    """The probe's cases, the manifest's hashes and build id made consistent (no signature):
+    di_regions entries without offset, layers as a list of ints."""
+    original = kv_doc(build)
+    doc = json.loads(json.dumps(original))
+    for r in doc["di_regions"]:
+        del r["offset"]
+    forge(build, {"layout/kv.json": doc})
+    _one_line(run_cli("di", "plan", str(build), "--prefill-tp", "2"), "kv.json: di_regions is [{")
+    forge(build, {"layout/kv.json": dict(original, layers=list(range(len(original["layers"]))))})
+    with pytest.raises(GkError, match=r"kv.json: layers is \[0, 1\]"):
+        Build.open(build)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["di_regions"][1].update(offset=d["di_regions"][1]["offset"] + 2), r"kv.json: di_regions is"),
+    (lambda d: d.update(entries=d["entries"] + 1), r"kv.json: entries is 3; its form, num_layers"),
+    (lambda d: d["kv_heads_of_rank"].update({"0": [1, 0]}), r"kv.json: kv_heads_of_rank is \{'0': \[1, 0\]\}; "
+                                                             r"the manifest's model, topology and recipe give"),
+    (lambda d: _consistent(d, num_layers=4), r"kv.json: num_layers is 4; the manifest's model"),
+    (lambda d: _consistent(d, head_dim=32), r"kv.json: head_dim is 32; the manifest's model"),
+    (lambda d: d.update(extra=1), r"kv.json: unexpected field 'extra'"),
+])
+def test_a_kv_layout_is_checked_whole_when_a_build_is_opened(build, edit, match):
+    """Every field is what the scalars give, and the scalars are what the manifest says."""
+    doc = kv_doc(build)
+    edit(doc)
+    forge(build, {"layout/kv.json": doc})
+    with pytest.raises(GkError, match=match):
+        Build.open(build)
+
+
+def test_a_tail_layout_is_what_the_manifest_gives(build):
+    doc = json.loads((build / "layout" / "tail.json").read_text())
+    doc["owned_rows"]["1"]["0"] = [5]
+    forge(build, {"layout/tail.json": doc})
+    with pytest.raises(GkError, match=r"tail.json: owned_rows is .*; the manifest's topology and batch sizes give"):
+        Build.open(build)
+
+
+def test_a_manifest_without_its_ranks_is_one_line(build):
+    forge(build, edit=lambda m: m.update(ranks=[]))
+    _one_line(run_cli("inspect", str(build)), "manifest.json: ranks lists 0 ranks; its topology (TP1 x DP1, world")
+    with pytest.raises(GkError, match="ranks lists 0 ranks"):
+        Build.open(build)
+
+
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(build):
-    m = json.loads((build / mf.NAME).read_text())
-    m["layout"]["kv"]["num_blocks"] = 1 << 30
-    for f in m["files"]:
-        if f["path"] == "layout/kv.json":
-            doc = json.loads((build / "layout/kv.json").read_text())
-            doc["num_blocks"] = 1 << 30
-            (build / "layout/kv.json").write_text(json.dumps(doc))
-            f["size"] = (build / "layout/kv.json").stat().st_size
-            from gkbuild.pipeline.fingerprint import sha256_file
-            f["sha256"] = sha256_file(build / "layout/kv.json")
-    m["build_id"] = mf.build_id(m)
-    (build / mf.NAME).write_bytes(mf.canonical(m))
+    doc = kv_doc(build)
+    _consistent(doc, num_blocks=1 << 30)
+
+    def bigger(m):
+        m["layout"]["kv"].update({k: doc[k] for k in ("num_blocks", "allocation_shape", "bytes_per_rank")})
+    forge(build, {"layout/kv.json": doc}, bigger)
     with pytest.raises(GkError, match=r"the KV cache needs .* GiB, more than this host's"):
         Build.open(build).allocate_kv()
 

@@ -1,12 +1,13 @@
 """Real text: synth's tokenizer and chat template, prompts through the checkpoint's own tokenizer
 (AutoTokenizer) in golden and verify, and the one line a checkpoint without a tokenizer gets."""
 
+import re
 import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
-from gkbuild import text, verify
+from gkbuild import chat_template, text, verify
 from gkbuild.checkpoint import hub, synth_tokenizer
 from gkbuild.checkpoint.source import parse
 from gkbuild.errors import GkError
@@ -123,3 +124,63 @@ def test_encode_refuses_an_empty_prompt(tiny_ckpt):
     with pytest.raises(GkError, match="no tokens"):
         text.encode(tok, [""])
     assert text.decode(tok, [tok.convert_tokens_to_ids("<|start|>"), 10 ** 6]).endswith("<1000000>")
+
+
+def test_a_prompt_longer_than_the_context_is_refused_from_its_token_count_before_any_model_work(built, monkeypatch):
+    """The probe's 25,000-character prompt ran the reference for 105 s (17 GB) before the length
+    check; the tokens are counted first now."""
+    long = "The capital of France is Paris. " * 40  # ~200 tokens against tiny-cpu's max_context of 64
+    r = run_cli("verify", str(built), "--prompt", long, "--steps", "2")
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "positions exceed the build's decode.max_context of 64" in r.stderr
+
+    def no_model_work(*a, **k):
+        raise AssertionError("the reference ran")
+    monkeypatch.setattr("gkbuild.golden.for_checkpoint", no_model_work)
+    with pytest.raises(GkError, match=r"\d+ positions exceed the build's decode.max_context of 64"):
+        verify.run(built, texts=[long], steps=2)
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("tokenizer.json", "[" * 100_000 + "]" * 100_000, "tokenizer.json: nested deeper than 64 levels"),
+    ("tokenizer_config.json", '{"a":' * 5000 + "1" + "}" * 5000, "tokenizer_config.json: nested deeper than 64"),
+    ("tokenizer_config.json", '{"added_tokens_decoder": [1, 2]}', "added_tokens_decoder is not a map of id"),
+    ("tokenizer_config.json", '{"chat_template": 7}', "chat_template is not a template string"),
+    ("tokenizer_config.json", '{"eos_token": ["x"]}', "eos_token is not a token"),
+    ("tokenizer.json", '{"model": "BPE"}', "tokenizer.json: model is not an object"),
+    ("tokenizer.json", '{"model": {"type": "BPE", "vocab": 5}}', "its tokenizer does not load"),
+    ("tokenizer.json", '{"a": 1, "a": 2}', 'key "a" appears twice'),
+])
+def test_tokenizer_files_are_bounded_and_checked_like_every_json_read(tiny_copy, name, content, match):
+    (tiny_copy / name).write_text(content)
+    with pytest.raises(GkError, match=re.escape(match)) as e:
+        text.tokenizer(parse(str(tiny_copy)))
+    assert "\n" not in str(e.value)
+
+
+def test_a_broken_tokenizer_through_the_cli_is_one_line(tiny_copy, tmp_path):
+    (tiny_copy / "tokenizer_config.json").write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    r = run_cli("golden", str(tiny_copy), "--out", str(tmp_path / "g.safetensors"), "--prompt", "hi", "--chat")
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "nested deeper" in r.stderr, r.stderr
+    assert not (tmp_path / "g.safetensors").exists()
+
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_chat_template_that_fails_runs_away_or_renders_too_much_is_one_line_naming_its_file(tiny_copy):
+    cases = [("{{ raise_exception('no such role') }}", "does not render (TemplateError: no such role)"),
+             ("{% for %}", "does not render (TemplateSyntaxError:"),
+             ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
+             ("{{ 'a' * 10000000000 }}", "ran out of memory"),
+             ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "renders 10000000 characters"),
+             (LOOP, f"did not finish rendering in {chat_template.CPU_SECONDS} s of CPU"),
+             ("{{ ''.__class__.__mro__ }}", "does not render (SecurityError:")]  # the sandbox holds
+    (tiny_copy / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    tok = text.tokenizer(parse(str(tiny_copy)))
+    for template, match in cases:
+        tok.chat_template = template  # as if the file held it (one tokenizer load for every case)
+        with pytest.raises(GkError, match=re.escape(match)) as e:
+            text.encode(tok, ["hello"], chat=True)
+        assert str(e.value).startswith(f"{tiny_copy / 'chat_template.jinja'}: the chat template") and \
+            "\n" not in str(e.value), str(e.value)

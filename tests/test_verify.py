@@ -8,7 +8,7 @@ from gkbuild import recipe, verify
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.errors import GkError
-from gkbuild.golden import Golden, default_prompts, for_checkpoint
+from gkbuild.golden import TENSORS, Golden, default_prompts, for_checkpoint
 from gkbuild.kernels.decode import RoutingGuide, route
 from gkbuild.runtime import Build
 from gkbuild.layout import attention, embedding, experts_mx, hidden
@@ -255,3 +255,20 @@ def test_device_cuda_is_refused_without_a_gpu_in_one_line(tmp_path):
         r = run_cli("verify", str(out), "--device", "cuda", "--prompts", "1", "--steps", "1", *extra)
         assert r.returncode == 1 and r.stderr.strip() == "gkbuild: error: --device cuda: no CUDA device is available " \
                                                          "on this host"
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda g: setattr(g, "logits", g.logits.round().to(torch.int64)), "golden tensor logits is i64, not floating point"),
+    (lambda g: g.logits[1, 2].fill_(float("nan")), "golden tensor logits holds NaN or infinite values: a bad golden"),
+    (lambda g: g.hidden[0, 1, 3, 5].fill_(float("inf")), "golden tensor hidden holds NaN or infinite values"),
+])
+def test_a_golden_with_integer_or_nan_values_is_refused_as_a_bad_golden(built, tiny_golden, tmp_path, spoil, match):
+    g = Golden(**{k: getattr(tiny_golden, k).clone() for k in TENSORS}, prompt_lens=tiny_golden.prompt_lens,
+               meta=dict(tiny_golden.meta))
+    spoil(g)
+    g.save(tmp_path / "g.safetensors")
+    with pytest.raises(GkError, match=match):
+        Golden.load(tmp_path / "g.safetensors")
+    if "logits" in match:  # as the probe saw it: through verify
+        r = run_cli("verify", str(built), "--golden", str(tmp_path / "g.safetensors"))
+        assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and match in r.stderr, r.stderr

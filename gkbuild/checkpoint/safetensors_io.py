@@ -62,8 +62,8 @@ def read_header(path: Path) -> Header:
     """Parse and fully validate a safetensors header against the file's real size."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with jsonio.open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise GkError(f"{path}: truncated safetensors file ({size} bytes, no header length)")

@@ -41,6 +41,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import GkError
+from ..jsonio import open_regular
 from ..paths import confined, create
 from ..pipeline.state import key
 from ..progress import warn
@@ -240,7 +241,7 @@ class CompileCache:
             self._prepared = True
         enc, _ = codec.choose(path)
         head = header(k, program, artifact["size"], artifact["sha256"])
-        with open(path, "rb", buffering=0) as f:
+        with open_regular(path, buffering=0) as f:
             blob_sha, h = hashlib.sha256(head), hashlib.sha256()
             while chunk := f.read(8 << 20):
                 blob_sha.update(chunk)
@@ -253,7 +254,7 @@ class CompileCache:
         if name in stored:
             stored_size = stored[name]
         else:
-            with self.store.writer(name) as out, open(path, "rb", buffering=0) as src:
+            with self.store.writer(name) as out, open_regular(path, buffering=0) as src:
                 got, stored_size = codec.encode(_Chain(head, src), out, enc)
             if got != blob_sha.hexdigest():
                 raise GkError(f"{path}: changed while it was pushed; not pushed")

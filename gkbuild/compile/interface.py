@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GkError
+from ..jsonio import open_regular
 
 FORMAT = "gkbuild-kernel-interface-1"
 SWITCH_PREFIX = "VLLM_NEURON_MEGA_"
@@ -50,7 +51,7 @@ class Param:
 
 def _text(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(MAX_SOURCE + 1)
     except OSError as e:
         raise GkError(f"{path}: {e.strerror or e}") from None

@@ -11,11 +11,13 @@ offsets below: an assumption to check against a NEFF from the pinned compiler.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import GkError
+from ..jsonio import open_regular
 
 HEADER_SIZE = 1024
 _FMT = "<QQQQQ128sI64s32s256sI64sQI"  # ... tpb_per_node (to 592), feature_bits, lnc_size
@@ -69,8 +71,8 @@ def read(path: Path, check_payload: bool = True) -> NeffHeader:
     """Read and check a NEFF's header (and its payload's size, format and hash)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(HEADER_SIZE)
             magic = f.read(2)
     except FileNotFoundError:
@@ -87,7 +89,7 @@ def read(path: Path, check_payload: bool = True) -> NeffHeader:
         if magic != b"\x1f\x8b":
             raise GkError(f"{path}: corrupt NEFF: the payload is not a gzip tarball")
         algo = hashlib.new(PACKAGING[h.pkg_version])
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(HEADER_SIZE)
             while chunk := f.read(8 << 20):
                 algo.update(chunk)

@@ -116,8 +116,8 @@ def segments(heads: list[int], prefill_tp: int, kv_heads: int, head_bytes: int) 
 
 
 def transfer_plan(doc: dict, prefill_tp: int, window: int) -> dict:
-    """The plan for a build whose kv.json is ``doc`` (validated values: ``runtime._kv_checked``
-    for the scalars), a prefill engine of ``prefill_tp`` ranks and a sliding window of ``window``
+    """The plan for a build whose kv.json is ``doc`` (checked whole:
+    ``layout.validate.kv``), a prefill engine of ``prefill_tp`` ranks and a sliding window of ``window``
     positions. JSON-ready."""
     if isinstance(prefill_tp, bool) or not isinstance(prefill_tp, int) or not 0 < prefill_tp <= MAX_RANKS:
         raise GkError(f"--prefill-tp {shown(prefill_tp)}: expected a positive integer")

@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from ..jsonio import open_regular
 from ..paths import file_lock
 from .state import read_json_record, write_json_atomic
 
@@ -20,7 +21,7 @@ CHUNK = 8 << 20
 
 def sha256_file(path: Path, advance=lambda n: None) -> str:
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):

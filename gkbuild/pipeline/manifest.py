@@ -141,6 +141,21 @@ def load(build_dir: Path) -> dict:
     return parse(read_bytes(build_dir), str(Path(build_dir) / NAME))
 
 
+def _ranks_match_topology(m: dict, where: str) -> None:
+    """``ranks`` lists every rank of the topology once, in order, at its coordinates (readers index
+    it by rank)."""
+    from ..layout.topology import coords
+
+    t, ranks = m["topology"], m["ranks"]
+    if len(ranks) != t["world_size"] or t["world_size"] != t["tp"] * t["dp"]:
+        raise GkError(f"{where}: ranks lists {len(ranks)} ranks; its topology (TP{t['tp']} x DP{t['dp']}, world size "
+                      f"{t['world_size']}) has {t['tp'] * t['dp']}")
+    for i, r in enumerate(ranks):
+        if {k: r[k] for k in ("rank", "dp", "tp", "ep", "vtp")} != coords(i, t["tp"], t["vtp"]).to_dict():
+            raise GkError(f"{where}: ranks[{i}] is not rank {i} of its topology (TP{t['tp']} x DP{t['dp']}, "
+                          f"VTP{t['vtp']})")
+
+
 def parse(data: bytes, where: str) -> dict:
     """A manifest from its bytes: JSON, a schema version this gkbuild knows, the schema, and a
     ``build_id`` that is the hash of the rest (so no field was edited after the build)."""
@@ -152,6 +167,7 @@ def parse(data: bytes, where: str) -> dict:
         raise GkError(f"{where}: schema_version {v!r} is not supported by gkbuild {__version__} "
                       f"(supports {SCHEMA_VERSION}); use a matching gkbuild")
     validate(m, where)
+    _ranks_match_topology(m, where)
     if m["build_id"] != build_id(m):
         raise GkError(f"{where}: build_id {m['build_id'][:16]} is not the hash of the manifest's content "
                       f"(edited after the build?)")

@@ -15,6 +15,7 @@ from typing import BinaryIO, Callable
 import zstandard
 
 from ..errors import GkError
+from ..jsonio import open_regular
 
 ZSTD, RAW = "zstd", "raw"
 EXT = {ZSTD: "zst", RAW: "raw"}
@@ -35,7 +36,7 @@ def choose(path: os.PathLike, level: int = LEVEL) -> tuple[str, float]:
     step = max(SAMPLE, size // SLICES)
     cctx = zstandard.ZstdCompressor(level=level)
     raw = packed = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for off in range(0, size, step):
             f.seek(off)
             block = f.read(SAMPLE)

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from ..errors import GkError
+from ..jsonio import open_regular
 from ..paths import PROVENANCE, SIGNATURE
 from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
@@ -112,7 +113,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
             return
         enc, _ = codec.choose(f["src"], level)
         name = index.blob_name(f["sha256"], enc)
-        with store.writer(name) as out, open(f["src"], "rb", buffering=0) as src:
+        with store.writer(name) as out, open_regular(f["src"], buffering=0) as src:
             got, stored_size = codec.encode(src, out, enc, level, advance=advance)
             if got != f["sha256"]:
                 raise GkError(f"{f['src']}: sha256 {got[:16]} differs from the manifest's {f['sha256'][:16]} "

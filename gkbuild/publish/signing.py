@@ -325,13 +325,45 @@ def _why(reasons: list) -> str:
                                                                         zip(reasons, said)) + ")"
 
 
+# The provenance's fields gkbuild reads, with their JSON types ("[]": each item of a list; "?": may
+# be absent). A trusted signature vouches for who wrote the document, not for its shape.
+_PROVENANCE_FIELDS = (("predicateType", str), ("subject", list), ("subject.[]", dict), ("subject.[].digest", dict),
+                      ("subject.[].digest.sha256", str), ("predicate", dict), ("predicate.buildDefinition", dict),
+                      ("predicate.buildDefinition.externalParameters", dict),
+                      ("predicate.buildDefinition.externalParameters.name", str),
+                      ("predicate.buildDefinition.externalParameters.build_id", str),
+                      ("predicate.buildDefinition.externalParameters.recipe_sha256", str),
+                      ("predicate.buildDefinition.resolvedDependencies", list),
+                      ("predicate.buildDefinition.resolvedDependencies.[]", dict),
+                      ("predicate.buildDefinition.resolvedDependencies.[].uri?", str),
+                      ("predicate.runDetails", dict), ("predicate.runDetails.builder", dict),
+                      ("predicate.runDetails.builder.id", str))
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string"}
+
+
+def _shape_problem(prov) -> str | None:
+    """The first field of ``_PROVENANCE_FIELDS`` that is missing or of another type, or None."""
+    if not isinstance(prov, dict):
+        return "is not an object"
+    for path, want in _PROVENANCE_FIELDS:
+        *up, last = path.split(".")
+        nodes = [prov]
+        for key in up:  # parents come earlier in the table: checked already
+            nodes = [x for n in nodes for x in (n if key == "[]" else [n[key]])]
+        key = last.rstrip("?")
+        for n in nodes:
+            items = n if key == "[]" else [n[key]] if key in n else [] if last.endswith("?") else [None]
+            if not all(isinstance(x, want) for x in items):
+                return f"field {path.rstrip('?')} is not {_JSON_TYPES[want]}"
+    return None if prov["subject"] else "has no subject"
+
+
 def _check_provenance(prov, manifest: bytes, where: str) -> None:
-    try:
-        ok = prov["predicateType"] == SLSA_PROVENANCE and \
-            prov["subject"][0]["digest"]["sha256"] == hashlib.sha256(manifest).hexdigest()
-    except (KeyError, IndexError, TypeError):
-        ok = False
-    if not ok:
+    why = _shape_problem(prov)
+    if why:
+        raise GkError(f"{where}: refused: the signed provenance {why} (not an SLSA provenance as gkbuild writes it)")
+    if prov["predicateType"] != SLSA_PROVENANCE or \
+            prov["subject"][0]["digest"]["sha256"] != hashlib.sha256(manifest).hexdigest():
         raise GkError(f"{where}: refused: the signed provenance is not about this manifest")
 
 
@@ -363,14 +395,13 @@ def write_folder(root: Path, signed: tuple[bytes, bytes] | None) -> None:
 
 
 def describe(v: Verified) -> dict:
-    """What a verified provenance says, for people (``verify-signature``)."""
-    p = v.provenance.get("predicate", {})
-    ext = p.get("buildDefinition", {}).get("externalParameters", {})
-    run = p.get("runDetails", {}).get("builder", {})
-    return {"signed_by": str(v.by), "name": ext.get("name"), "build_id": ext.get("build_id"),
-            "recipe_sha256": ext.get("recipe_sha256"), "builder": run.get("id"),
-            "source": next((d.get("uri") for d in p.get("buildDefinition", {}).get("resolvedDependencies", [])
-                            if "uri" in d), None)}
+    """What a verified provenance (its shape checked by ``_check_provenance``) says, for people
+    (``verify-signature``)."""
+    p = v.provenance["predicate"]
+    ext = p["buildDefinition"]["externalParameters"]
+    return {"signed_by": str(v.by), "name": ext["name"], "build_id": ext["build_id"],
+            "recipe_sha256": ext["recipe_sha256"], "builder": p["runDetails"]["builder"]["id"],
+            "source": next((d["uri"] for d in p["buildDefinition"]["resolvedDependencies"] if "uri" in d), None)}
 
 
 def dumps(obj) -> bytes:

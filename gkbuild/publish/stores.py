@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ..checkpoint import hub
-from ..jsonio import read_bounded
+from ..jsonio import open_regular, read_bounded
 from ..paths import create as open_new, file_lock, inside
 from ..pipeline.state import write_bytes_atomic
 from ..checkpoint.safetensors_io import fsync_dir
@@ -112,7 +112,7 @@ class DirStore:
         _regular(p, "the publish index")
         if p.stat().st_size > MAX_INDEX:
             raise GkError(f"{p}: {p.stat().st_size} bytes; a publish index is never over {MAX_INDEX}; refused")
-        with open(p, "rb") as f:
+        with open_regular(p) as f:
             self.index_read = f.read(MAX_INDEX + 1)
         return self.index_read
 
@@ -120,7 +120,7 @@ class DirStore:
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
         p = self._at(name)
         _regular(p, "a blob")
-        with open(p, "rb") as f:
+        with open_regular(p) as f:
             yield f
 
     def stored(self) -> dict[str, int]:

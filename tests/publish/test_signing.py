@@ -6,6 +6,7 @@ the network boundary (no test reaches beyond this machine)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 
@@ -227,6 +228,32 @@ def test_verify_signature_checks_without_fetching(build, keys, tmp_path):
     bad = run_cli("verify-signature", str(store), "--trust", "nothing-of-the-kind")
     assert bad.returncode == 1 and "neither a public key file nor a signer identity" in bad.stderr
     assert not (tmp_path / "dest").exists()
+
+
+def _sign_provenance(build, keys, edit) -> None:
+    """Sign (with the trusted key) this build's manifest and its provenance changed by ``edit``."""
+    man = mf.read_bytes(build)
+    prov = signing.provenance(mf.load(build), man)
+    edit(prov)
+    prov_bytes = signing.dumps(prov)
+    signing.write_folder(build, (signing.sign(man, prov_bytes, keys["ci"][0]), prov_bytes))
+
+
+@pytest.mark.parametrize("edit, field, cli", [  # the CLI for the two shapes the probe saw
+    (lambda p: p.update(predicate=[1, 2]), "predicate is not an object", True),
+    (lambda p: p["predicate"].update(buildDefinition="x"), "predicate.buildDefinition is not an object", True),
+    (lambda p: p["predicate"]["runDetails"]["builder"].pop("id"), "predicate.runDetails.builder.id is not a string",
+     False),
+    (lambda p: p["predicate"]["buildDefinition"]["resolvedDependencies"][0].update(uri=["s3://x"]),
+     "resolvedDependencies.[].uri is not a string", False),
+])
+def test_a_validly_signed_provenance_of_the_wrong_shape_is_refused_in_one_line(build, keys, edit, field, cli):
+    _sign_provenance(build, keys, edit)
+    _refused(f"the signed provenance field .*{re.escape(field)}", Build.open, build, trust=[keys["ci"][1]])
+    for extra in ((), ("--json",)) if cli else ():
+        bad = run_cli("verify-signature", str(build), "--trust", keys["ci"][1], *extra)
+        assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and not bad.stdout, bad.stderr
+        assert "refused: the signed provenance field" in bad.stderr and field in bad.stderr, bad.stderr
 
 
 def test_a_rebuild_takes_the_old_signature_away(build, keys, tmp_path):
