@@ -348,16 +348,18 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
     """
     from .checkpoint.source import materialize, model_config, parse
     from .golden import default_prompts, for_checkpoint
-    from .reference import KvFormat
+    from .reference import KvFormat, check_size
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
     given = _text_prompts(spec, texts, chat, prompt_ids)
-    vocab = model_config(spec).V
+    cfg = model_config(spec)
+    vocab = cfg.V
     prompts, meta = given if given else (_prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed),
                                          None)
     if any(not 0 <= t < vocab for p in prompts for t in p):
         raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
+    check_size(cfg, prompts, steps)
     g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet, meta)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")

@@ -23,6 +23,7 @@ does. ``KvFormat("fp32")`` keeps the cache exact: the numbers of transformers' f
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,6 +256,30 @@ def probe_rows(hidden: int, n: int = PROBES, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed))
 
 
+def host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_size(cfg, prompts: list[list[int]], steps: int) -> None:
+    """Refuse, before any model work, a run the reference cannot hold: past the model's
+    max_position_embeddings, or needing more memory than this host has. ``cfg``: gkbuild's or
+    transformers' GPT-OSS config (the same field names). The bound is what ``run`` keeps at once at
+    least: its outputs (logits [P, T, V], hidden states [P, L + 1, T, H], fp32) and the first pass's
+    attention weights over the common prefix (three [P, heads, n, n + 1] fp32 tensors in ``_attention``)."""
+    P, T, common = len(prompts), max(map(len, prompts), default=0) + steps, min(map(len, prompts), default=0)
+    if T > cfg.max_position_embeddings:
+        raise GkError(f"{T} positions (the longest prompt plus {steps} steps) exceed the model's "
+                      f"max_position_embeddings of {cfg.max_position_embeddings}")
+    need = 4 * P * T * (cfg.vocab_size + (cfg.num_hidden_layers + 1) * cfg.hidden_size) \
+        + 3 * 4 * P * cfg.num_attention_heads * common * (common + 1)
+    have = host_memory()
+    if need > have:
+        raise GkError(f"{P} sequences x {T} positions need at least {need / 2**30:.1f} GiB for the reference "
+                      f"(logits, hidden states, attention weights), this host has {have / 2**30:.1f} GiB; "
+                      f"give fewer or shorter prompts or fewer steps")
+
+
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
         quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
     """Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
@@ -285,6 +310,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
             rotary = GptOssRotaryEmbedding(cfg)
         norm = GptOssRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         norm.load_state_dict({"weight": Layer._read(ck, names.FINAL_NORM, device)}, assign=True)
+        check_size(cfg, prompts, steps)
         T = max(map(len, prompts)) + steps
         common = min(map(len, prompts))
         ids = torch.tensor([p[:common] for p in prompts], dtype=torch.int64)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from gkbuild import chat_template, text, verify
+from gkbuild import chat_template, cli, text, verify
 from gkbuild.checkpoint import hub, synth_tokenizer
 from gkbuild.checkpoint.source import parse
 from gkbuild.errors import GkError
@@ -139,6 +139,25 @@ def test_a_prompt_longer_than_the_context_is_refused_from_its_token_count_before
     monkeypatch.setattr("gkbuild.golden.for_checkpoint", no_model_work)
     with pytest.raises(GkError, match=r"\d+ positions exceed the build's decode.max_context of 64"):
         verify.run(built, texts=[long], steps=2)
+
+
+def test_a_golden_the_reference_cannot_hold_is_refused_before_any_model_work(tmp_path, monkeypatch):
+    """``golden`` has no build to bound its length: it refuses what the reference could not hold in
+    this host's memory (or past the model's positions), counted from the tokens, before any work."""
+    def no_model_work(*a, **k):
+        raise AssertionError("the reference ran")
+    monkeypatch.setattr("gkbuild.golden.for_checkpoint", no_model_work)
+    monkeypatch.setattr("gkbuild.reference.host_memory", lambda: 24 << 30)
+    out = tmp_path / "g.safetensors"
+    long = "The capital of France is Paris. " * 5000  # 35,001 tokens: ~110 GiB of attention weights
+    with pytest.raises(GkError, match=r"^1 sequences x 35017 positions need at least 110\.\d GiB for the reference "
+                                      r"\(logits, hidden states, attention weights\), this host has 24\.0 GiB"):
+        cli.cli.main(["golden", "synth://tiny", "--out", str(out), "--prompt", long], standalone_mode=False)
+    with pytest.raises(GkError, match=r"^131073 positions \(the longest prompt plus 9 steps\) exceed the model's "
+                                      r"max_position_embeddings of 131072$"):
+        cli.cli.main(["golden", "synth://tiny", "--out", str(out), "--steps", "9", "--prompt-ids",
+                  ",".join(["1"] * 131_064)], standalone_mode=False)
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("name, content, match", [
