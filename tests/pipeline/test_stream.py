@@ -1,0 +1,205 @@
+"""``gkbuild compile RECIPE --to STORE``: tiny-topology from a moto S3 source into a moto S3 store on
+24 MiB of local disk (the checkpoint is ~90 MB, the build ~120 MB), against ``compile`` + ``publish``
+of the same recipe from the same source: every object of the store byte for byte, the same build
+id; ``gkbuild fetch`` of it verifies. A killed streamed build leaves the store's index as it was,
+and its rerun sends exactly the blobs that are missing (counted by the S3 server's own request
+recorder). The limit is checked before anything is read or stored."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import boto3
+import pytest
+
+from gkbuild import recipe
+from gkbuild.publish import index
+from gkbuild.publish.publish import publish
+from gkbuild.pipeline.pipeline import compile_build
+from tests.conftest import RECIPES, run_cli
+from tests.s3server import moto_server
+
+RECIPE = RECIPES / "tiny-topology-trn2.yaml"
+SOURCE = "source=s3://src/ckpt"
+LIMIT = 24 << 20
+
+
+@pytest.fixture(scope="module")
+def s3(topo_ckpt, tmp_path_factory):
+    """A moto server of this module's own (its request recorder writes to a file of ours), holding
+    the tiny-topology checkpoint under s3://src/ckpt."""
+    rec = tmp_path_factory.mktemp("moto") / "recording.jsonl"
+    with moto_server(recording=str(rec)) as url:
+        client = boto3.client("s3", endpoint_url=url)
+        client.create_bucket(Bucket="src")
+        for p in sorted(topo_ckpt.iterdir()):
+            client.upload_file(str(p), "src", f"ckpt/{p.name}")
+        yield url, client
+
+
+def objects(client, bucket: str, prefix: str) -> dict[str, bytes]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for o in page.get("Contents", []):
+            out[o["Key"][len(prefix) + 1:]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(s3, tmp_path_factory):
+    """compile + publish of the recipe from the same S3 source: the store's objects, the build id."""
+    _, client = s3
+    client.create_bucket(Bucket="ref")
+    out = tmp_path_factory.mktemp("ref") / "build"
+    res = compile_build(recipe.load(RECIPE, [SOURCE]), out=out, quiet=True)
+    publish(out, "s3://ref/b", quiet=True)
+    return objects(client, "ref", "b"), res.manifest["build_id"]
+
+
+class Disk:
+    """The bytes allocated under some folders, sampled every 5 ms in a thread (the test's own
+    measure, independent of the build's report)."""
+
+    def __init__(self, *roots):
+        self.roots, self.peak, self.stop = roots, 0, threading.Event()
+
+    def used(self) -> int:
+        n = 0
+        for root in self.roots:
+            for d, _, files in os.walk(root):
+                for f in files:
+                    try:
+                        st = os.lstat(os.path.join(d, f))
+                    except FileNotFoundError:
+                        continue
+                    n += max(st.st_blocks * 512, st.st_size)
+        return n
+
+    def __enter__(self):
+        def run():
+            while not self.stop.wait(0.005):
+                self.peak = max(self.peak, self.used())
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def local(tmp_path) -> dict:
+    """A private $GKBUILD_CACHE and $TMPDIR: every byte the build puts on local disk lands there."""
+    env = {"GKBUILD_CACHE": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+    for d in env.values():
+        os.makedirs(d)
+    return env
+
+
+def stream(to: str, env: dict, *extra: str):
+    return run_cli("compile", str(RECIPE), "--set", SOURCE, "--to", to, "--scratch-limit", "24MiB", "--json",
+                   *extra, env=env)
+
+
+@pytest.mark.slow
+def test_a_streamed_build_equals_compile_and_publish_byte_for_byte(s3, reference, topo_ckpt, tmp_path):
+    _, client = s3
+    client.create_bucket(Bucket="dst")
+    env = local(tmp_path)
+    with Disk(*env.values()) as disk:
+        r = stream("s3://dst/b", env)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)["stream"]
+    ref_objects, ref_id = reference
+    assert json.loads(r.stdout)["build_id"] == ref_id
+    assert objects(client, "dst", "b") == ref_objects  # every blob and the index, byte for byte
+    assert sum(f.stat().st_size for f in topo_ckpt.iterdir()) > 3 * LIMIT  # far above the limit
+    assert 2 << 20 <= st["peak_disk"] <= LIMIT  # it measured its staging (the embedding shard is 2 MiB)
+    assert 0 < disk.peak <= LIMIT
+    assert not (tmp_path / "cache" / "s3").exists()  # the source was read by range, never mirrored
+    weights = [f for f in topo_ckpt.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".json")
+               and f.name in ("config.json", "model.safetensors.index.json")]
+    assert st["source_bytes"] == sum(f.stat().st_size for f in weights)
+    got = run_cli("fetch", "s3://dst/b", "--to", str(tmp_path / "fetched"), "--expect", ref_id)
+    assert got.returncode == 0, got.stderr
+    assert run_cli("check", str(tmp_path / "fetched")).returncode == 0
+
+
+def _recorder(url: str, what: str) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/recorder/{what}",
+                                                       method="GET" if what.startswith("download") else "POST")) as r:
+        return r.read()
+
+
+@pytest.mark.slow
+def test_a_killed_build_leaves_the_index_and_its_rerun_sends_only_what_is_missing(s3, reference, built, tmp_path):
+    url, client = s3
+    client.create_bucket(Bucket="kill")
+    publish(built, "s3://kill/b", quiet=True)  # the store holds another build: its index must survive the kill
+    before = client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read()
+    theirs = set(objects(client, "kill", "b"))
+    env = local(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", str(RECIPE), "--set", SOURCE, "--to",
+                          "s3://kill/b", "--scratch-limit", "24MiB", "-q", "--jobs", "1"],
+                         env=dict(os.environ, **env), start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        if len(set(objects_names(client, "kill", "b/blobs/")) - theirs) >= 40:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.stderr.read()
+    os.killpg(p.pid, signal.SIGKILL)  # the build and its workers, mid-stream
+    p.wait()
+    p.stderr.close()
+    assert client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read() == before
+    present = {k for k in objects_names(client, "kill", "b/blobs/")}
+
+    _recorder(url, "reset-recording")
+    _recorder(url, "start-recording")
+    try:
+        r = stream("s3://kill/b", env)
+    finally:
+        _recorder(url, "stop-recording")
+    assert r.returncode == 0, r.stderr
+    puts = recorded(_recorder(url, "download-recording").decode())
+    sent = sorted("blobs/" + e["url"].split("/blobs/", 1)[1].split("?")[0] for e in puts
+                  if e["method"] == "PUT" and "/kill/b/blobs/" in e["url"])
+    final = index.parse(client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read(), "index")
+    assert final["build_id"] == reference[1]
+    missing = sorted(index.blobs(final) - {k.removeprefix("b/") for k in present})
+    assert 0 < len(missing) < len(index.blobs(final))  # the kill came mid-stream
+    assert sent == missing  # each missing blob sent once, nothing already there sent again
+    assert client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read() == reference[0]["publish.json"]
+
+
+def recorded(text: str) -> list[dict]:
+    """The recorder's entries: one JSON object a request, written by the server's threads with
+    O_APPEND (an entry is whole; two may share a line when their newlines interleave)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while (i := len(text) - len(text[i:].lstrip())) < len(text):
+        e, i = dec.raw_decode(text, i)
+        out.append(e)
+    return out
+
+
+def objects_names(client, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])]
+
+
+def test_a_scratch_limit_that_cannot_stage_the_largest_shard_is_refused_up_front(s3, tmp_path):
+    _, client = s3
+    client.create_bucket(Bucket="small")
+    env = local(tmp_path)
+    r = run_cli("compile", str(RECIPE), "--set", SOURCE, "--to", "s3://small/b", "--scratch-limit", "2MiB",
+                env=env)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--scratch-limit 2.00 MiB" in lines[0] and "weights/embed-host.safetensors" in lines[0]
+    assert objects_names(client, "small", "") == []  # nothing stored, no lease left
