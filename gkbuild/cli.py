@@ -175,6 +175,12 @@ def plan(recipe_path, overrides, as_json, show_compile):
         click.echo(line)
 
 
+_sign_option = click.option(
+    "--sign", "sign", metavar="KEY|sigstore", default=None,
+    help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or 'sigstore' "
+         "for keyless signing with the CI's OIDC identity (needs gkbuild[sign]). compile: with --to only.")
+
+
 @cli.command("compile")
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
@@ -198,11 +204,12 @@ def plan(recipe_path, overrides, as_json, show_compile):
                    "up front if it cannot hold the largest shard.")
 @click.option("--executor", default="local", show_default=True, metavar="local|ray|ray://HOST:PORT",
               help="With --to: run the shard jobs in local processes or as tasks on a Ray cluster.")
+@_sign_option
 @_set_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
 def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, cache_push, to, scratch_limit,
-                executor, overrides, quiet, as_json):
+                executor, sign, overrides, quiet, as_json):
     """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
     and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
     through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
@@ -212,6 +219,11 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     where it stopped. Without the Neuron SDK a trn build records its NEFF stage as skipped and
     warns; --require-neff makes that an error. With --cache, a program another host compiled with
     the same compile key is fetched and verified instead of compiled.
+
+    With --to STORE the build goes straight into a store, as compile + publish would leave it (the
+    same bytes and build id): the source is read by byte range, each shard is staged, stored and
+    deleted, and the index is committed last; local disk stays under --scratch-limit (checked up
+    front, the peak reported). A killed run's rerun sends only what the store lacks.
     """
     from .pipeline.pipeline import compile_build
     from .recipe import load
@@ -222,6 +234,9 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         raise GkError("--cache-push: give the store with --cache STORE (or GKBUILD_COMPILE_CACHE)")
     r = load(recipe_path, overrides)
     if to is None:
+        if sign or executor != "local" or scratch_limit != "4GiB":
+            raise GkError(f"--{'sign' if sign else 'executor' if executor != 'local' else 'scratch-limit'}: applies "
+                          f"to a build streamed into a store (--to STORE); a build folder is signed when published")
         res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                             require_neff=require_neff, cache=cache or None, cache_push=cache_push)
     else:
@@ -233,7 +248,7 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         parse_executor(executor)
         res = stream_build(r, to, _parse_size(scratch_limit, "--scratch-limit"),
                            executor, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
-                           require_neff=require_neff, cache=cache or None, cache_push=cache_push)
+                           require_neff=require_neff, cache=cache or None, cache_push=cache_push, sign=sign)
     if as_json:
         click.echo(json.dumps({**res.summary(), **({"stream": res.stream} if to else {})}, indent=2))
     elif not quiet:
@@ -506,9 +521,7 @@ def _print_verify(rep) -> None:
 @click.option("--prune", is_flag=True, help="Folder and s3:// stores: delete blobs the new index no longer references "
               "(a fetch of the previous build running at the same time would then fail; skipped while another "
               "publish holds a lease on the store).")
-@click.option("--sign", "sign", metavar="KEY|sigstore", default=None,
-              help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or "
-                   "'sigstore' for keyless signing with the CI's OIDC identity (needs gkbuild[sign]).")
+@_sign_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):

@@ -39,11 +39,10 @@ from ..plan import ShardFile
 from ..progress import Progress
 from ..publish import index
 from ..publish.leases import Lease
-from ..publish.publish import _publish, _stored_entry, put_blob
+from ..publish.publish import _publish, _stored_entry, put_blob, signed_build
 from ..publish.stores import DirStore, open_store
 from ..recipe import Recipe
 from ..summary import human_bytes
-from . import manifest as mf
 from .emit import Context, ShardJob, run_shard, use_checkpoint
 from .fingerprint import Fingerprints, sha256_file
 from .pipeline import SYNC_INTERVAL, BuildResult, _Build, _lock, _Runner, _v_scale, default_jobs, shard_key
@@ -434,9 +433,10 @@ def stream_jobs() -> int:
 def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, executor: str = "local",
                  jobs: int | None = None, force: bool = False, quiet: bool = False, compile: bool = True,
                  require_neff: bool = False, cache: str | None = None, cache_push: bool = False,
-                 level: int | None = None) -> BuildResult:
-    """Build ``recipe`` into the store ``to`` (a folder, ``s3://`` or ``hf://``); the result's
-    ``stream`` holds the peak local disk, the blobs sent and the source bytes read."""
+                 level: int | None = None, sign: str | None = None) -> BuildResult:
+    """Build ``recipe`` into the store ``to`` (a folder or ``s3://``); the result's ``stream`` holds
+    the peak local disk, the blobs sent and the source bytes read. ``sign``: as ``publish --sign``
+    (a private key's PEM file, or ``sigstore``)."""
     from ..publish import codec
 
     if to.startswith("hf://"):
@@ -466,8 +466,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
             b.layout()
             b.compile(compile, require_neff, cache, cache_push)
             m = b.manifest()
-            man_bytes = mf.read_bytes(out)
-            report = _publish((out, man_bytes, m, None), store, b.level, None, False, True, lease, known=b.known)
+            report = _publish(signed_build(out, sign), store, b.level, None, False, True, lease, known=b.known)
         finally:
             if lease:
                 lease.__exit__(None, None, None)

@@ -69,18 +69,23 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     signature and provenance go beside the manifest, in the build folder and in the store. Without
     it, a signature the build folder already has is published as it is (a fetch verifies it)."""
     build_dir = Path(build_dir)
-    man_bytes = mf.read_bytes(build_dir)
-    m = mf.parse(man_bytes, str(build_dir / mf.NAME))
-    if sign:
-        prov = signing.dumps(signing.provenance(m, man_bytes))
-        signing.write_folder(build_dir, (signing.sign(man_bytes, prov, sign), prov))
-    built = (build_dir, man_bytes, m, signing.read_folder(build_dir))
+    built = signed_build(build_dir, sign)
     store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
     if not store.leases:
         return _publish(built, store, level, jobs, prune, quiet, None)
     store.prepare()  # refuses a folder that is not a store before the lease is written into it
     with Lease(store) as lease:  # taken before the store is listed: a --prune elsewhere sees this publish
         return _publish(built, store, level, jobs, prune, quiet, lease)
+
+
+def signed_build(build_dir: Path, sign: str | None) -> tuple:
+    """(folder, manifest bytes, manifest, signature) of a build, signed first with ``sign``."""
+    man_bytes = mf.read_bytes(build_dir)
+    m = mf.parse(man_bytes, str(build_dir / mf.NAME))
+    if sign:
+        prov = signing.dumps(signing.provenance(m, man_bytes))
+        signing.write_folder(build_dir, (signing.sign(man_bytes, prov, sign), prov))
+    return build_dir, man_bytes, m, signing.read_folder(build_dir)
 
 
 def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease,

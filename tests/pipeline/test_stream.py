@@ -10,17 +10,20 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
+
+from pathlib import Path
 
 import boto3
 import pytest
 
 from gkbuild import recipe
-from gkbuild.publish import index
+from gkbuild.publish import index, signing
+from gkbuild.publish.fetch import fetch
 from gkbuild.publish.publish import publish
 from gkbuild.pipeline.pipeline import compile_build
+from gkbuild.pipeline.stream import DiskWatch, stream_build
 from tests.conftest import RECIPES, run_cli
 from tests.s3server import moto_server
 
@@ -61,39 +64,6 @@ def reference(s3, tmp_path_factory):
     return objects(client, "ref", "b"), res.manifest["build_id"]
 
 
-class Disk:
-    """The bytes allocated under some folders, sampled every 5 ms in a thread (the test's own
-    measure, independent of the build's report)."""
-
-    def __init__(self, *roots):
-        self.roots, self.peak, self.stop = roots, 0, threading.Event()
-
-    def used(self) -> int:
-        n = 0
-        for root in self.roots:
-            for d, _, files in os.walk(root):
-                for f in files:
-                    try:
-                        st = os.lstat(os.path.join(d, f))
-                    except FileNotFoundError:
-                        continue
-                    n += max(st.st_blocks * 512, st.st_size)
-        return n
-
-    def __enter__(self):
-        def run():
-            while not self.stop.wait(0.005):
-                self.peak = max(self.peak, self.used())
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
 def local(tmp_path) -> dict:
     """A private $GKBUILD_CACHE and $TMPDIR: every byte the build puts on local disk lands there."""
     env = {"GKBUILD_CACHE": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
@@ -112,7 +82,7 @@ def test_a_streamed_build_equals_compile_and_publish_byte_for_byte(s3, reference
     _, client = s3
     client.create_bucket(Bucket="dst")
     env = local(tmp_path)
-    with Disk(*env.values()) as disk:
+    with DiskWatch(*map(Path, env.values())) as disk:  # a sampler of its own, in this process
         r = stream("s3://dst/b", env)
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)["stream"]
@@ -203,3 +173,36 @@ def test_a_scratch_limit_that_cannot_stage_the_largest_shard_is_refused_up_front
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--scratch-limit 2.00 MiB" in lines[0] and "weights/embed-host.safetensors" in lines[0]
     assert objects_names(client, "small", "") == []  # nothing stored, no lease left
+
+
+def test_into_a_folder_store_signed_with_a_key_it_equals_a_signed_publish(built, tmp_path):
+    """From a memory-mapped source (synth://) into a folder store, signed as publish --sign signs:
+    every file of the store but the signature (ECDSA draws a fresh nonce) equals a signed publish of
+    the same recipe's build; the signature verifies and a fetch that trusts the key gets the build."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    k = ec.generate_private_key(ec.SECP256R1())
+    pem, pub = tmp_path / "ci.pem", tmp_path / "ci.pub"
+    pem.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
+    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM,
+                                                serialization.PublicFormat.SubjectPublicKeyInfo))
+    res = stream_build(recipe.load(RECIPES / "tiny-cpu.yaml"), str(tmp_path / "store"), 64 << 20, quiet=True,
+                       compile=False, sign=str(pem))
+    ref = tmp_path / "ref-build"
+    import shutil
+
+    shutil.copytree(built, ref)
+    publish(ref, str(tmp_path / "ref"), quiet=True, sign=str(pem))
+    got_idx, ref_idx = (json.loads((tmp_path / s / index.NAME).read_text()) for s in ("store", "ref"))
+    sig = {ref_idx["signature"]["blob"], got_idx["signature"]["blob"]}
+    assert res.manifest["build_id"] == ref_idx["build_id"] == got_idx["build_id"]
+    assert {k: v for k, v in got_idx.items() if k != "signature"} == {k: v for k, v in ref_idx.items()
+                                                                      if k != "signature"}
+    tree = {s: {p.relative_to(tmp_path / s).as_posix(): p.read_bytes() for p in (tmp_path / s).rglob("*")
+                if p.is_file() and p.relative_to(tmp_path / s).as_posix() not in sig | {index.NAME}}
+            for s in ("store", "ref")}
+    assert tree["store"] == tree["ref"] and len(tree["store"]) == len(ref_idx["files"]) + 2  # + manifest, provenance
+    got = fetch(str(tmp_path / "store"), tmp_path / "got", quiet=True, trust=signing.trust_list([str(pub)]))
+    assert got["signed_by"] == f"key {pub}"
