@@ -235,8 +235,9 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     r = load(recipe_path, overrides)
     if to is None:
         if sign or executor != "local" or scratch_limit != "4GiB":
-            raise GkError(f"--{'sign' if sign else 'executor' if executor != 'local' else 'scratch-limit'}: applies "
-                          f"to a build streamed into a store (--to STORE); a build folder is signed when published")
+            opt = "sign" if sign else "executor" if executor != "local" else "scratch-limit"
+            raise GkError(f"--{opt}: only for a build streamed into a store (--to STORE)"
+                          + ("; a build folder is signed when it is published (publish --sign)" if sign else ""))
         res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                             require_neff=require_neff, cache=cache or None, cache_push=cache_push)
     else:
