@@ -67,8 +67,9 @@ class Remote:
     """One remote checkpoint: its files (listed once) and ranged reads of them. ``pin`` (the hub
     commit, or each S3 file's ETag) is what the driver listed; a worker passes it on."""
 
-    def __init__(self, uri: str, pin: dict | None = None):
-        self.uri, self.pin = uri, dict(pin or {})
+    def __init__(self, uri: str, pin: dict | None = None, api=None, fs=None):
+        """``api``/``fs``: huggingface_hub's ``HfApi``/``HfFileSystem`` (or stand-ins: tests)."""
+        self.uri, self.pin, self._api = uri, dict(pin or {}), api
         if uri.startswith("s3://"):
             self.ref, self.kind = s3.parse(uri), "s3"
             self.fs = s3.filesystem()
@@ -76,7 +77,7 @@ class Remote:
             from . import hub
 
             self.ref, self.kind = hub.parse(uri), "hf"
-            self.fs = None
+            self.fs = fs
         self._files: dict[str, RemoteFile] | None = None
         self._open: dict[str, object] = {}
 
@@ -88,11 +89,15 @@ class Remote:
         return errors(self.uri, self.ref.revision)
 
     def _hubfs(self):
-        if self.fs is None:
-            from huggingface_hub import HfApi, HfFileSystem
+        """The hub's file system, with the commit the revision points to pinned first."""
+        if "commit" not in self.pin:
+            from huggingface_hub import HfApi
 
             with self.errors():
-                self.pin.setdefault("commit", HfApi().repo_info(self.ref.repo, revision=self.ref.revision).sha)
+                self.pin["commit"] = (self._api or HfApi()).repo_info(self.ref.repo, revision=self.ref.revision).sha
+        if self.fs is None:
+            from huggingface_hub import HfFileSystem
+
             self.fs = HfFileSystem()
         return self.fs
 
@@ -148,10 +153,18 @@ class Remote:
         """Exactly bytes [start, start + n) of ``name``, one ranged GET."""
         if n == 0:
             return b""
+        expired: tuple = ()
+        if self.kind == "s3":  # what S3File._fetch_range raises when its If-Match fails (s3fs/core.py:2729)
+            from s3fs.utils import FileExpired
+
+            expired = (FileExpired,)
         h = self.handle(name)
         with self.errors():
-            h.seek(start)
-            data = h.read(n)
+            try:
+                h.seek(start)
+                data = h.read(n)
+            except expired:
+                raise GkError(f"source {self.uri}/{name}: changed since the build listed it; run again") from None
         if len(data) != n:
             raise GkError(f"source {self.uri}/{name}: ended at byte {start + len(data)}, expected {start + n}")
         return data
