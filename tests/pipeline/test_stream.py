@@ -77,30 +77,6 @@ def stream(to: str, env: dict, *extra: str):
                    *extra, env=env)
 
 
-@pytest.mark.slow
-def test_a_streamed_build_equals_compile_and_publish_byte_for_byte(s3, reference, topo_ckpt, tmp_path):
-    _, client = s3
-    client.create_bucket(Bucket="dst")
-    env = local(tmp_path)
-    with DiskWatch(*map(Path, env.values())) as disk:  # a sampler of its own, in this process
-        r = stream("s3://dst/b", env)
-    assert r.returncode == 0, r.stderr
-    st = json.loads(r.stdout)["stream"]
-    ref_objects, ref_id = reference
-    assert json.loads(r.stdout)["build_id"] == ref_id
-    assert objects(client, "dst", "b") == ref_objects  # every blob and the index, byte for byte
-    assert sum(f.stat().st_size for f in topo_ckpt.iterdir()) > 3 * LIMIT  # far above the limit
-    assert 2 << 20 <= st["peak_disk"] <= LIMIT  # it measured its staging (the embedding shard is 2 MiB)
-    assert 0 < disk.peak <= LIMIT
-    assert not (tmp_path / "cache" / "s3").exists()  # the source was read by range, never mirrored
-    weights = [f for f in topo_ckpt.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".json")
-               and f.name in ("config.json", "model.safetensors.index.json")]
-    assert st["source_bytes"] == sum(f.stat().st_size for f in weights)
-    got = run_cli("fetch", "s3://dst/b", "--to", str(tmp_path / "fetched"), "--expect", ref_id)
-    assert got.returncode == 0, got.stderr
-    assert run_cli("check", str(tmp_path / "fetched")).returncode == 0
-
-
 def _recorder(url: str, what: str) -> bytes:
     with urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/recorder/{what}",
                                                        method="GET" if what.startswith("download") else "POST")) as r:
@@ -108,44 +84,63 @@ def _recorder(url: str, what: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_a_killed_build_leaves_the_index_and_its_rerun_sends_only_what_is_missing(s3, reference, built, tmp_path):
+def test_a_killed_streamed_build_resumes_into_compile_and_publish_byte_for_byte(s3, reference, built, topo_ckpt,
+                                                                                tmp_path):
+    """One streamed build, killed mid-stream, then run again: the store's index stays the other
+    build's until the rerun commits; the rerun sends exactly the blobs the store lacks; the result
+    is compile + publish's, byte for byte, with the same build id; local disk never passed 24 MiB."""
     url, client = s3
-    client.create_bucket(Bucket="kill")
-    publish(built, "s3://kill/b", quiet=True)  # the store holds another build: its index must survive the kill
-    before = client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read()
-    theirs = set(objects(client, "kill", "b"))
+    client.create_bucket(Bucket="dst")
+    publish(built, "s3://dst/b", quiet=True)  # the store holds another build: its index must survive the kill
+    before = client.get_object(Bucket="dst", Key="b/publish.json")["Body"].read()
+    theirs = set(objects_names(client, "dst", "b/blobs/"))
     env = local(tmp_path)
-    p = subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", str(RECIPE), "--set", SOURCE, "--to",
-                          "s3://kill/b", "--scratch-limit", "24MiB", "-q", "--jobs", "1"],
-                         env=dict(os.environ, **env), start_new_session=True, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if len(set(objects_names(client, "kill", "b/blobs/")) - theirs) >= 40:
-            break
-        time.sleep(0.2)
-    assert p.poll() is None, p.stderr.read()
-    os.killpg(p.pid, signal.SIGKILL)  # the build and its workers, mid-stream
-    p.wait()
-    p.stderr.close()
-    assert client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read() == before
-    present = {k for k in objects_names(client, "kill", "b/blobs/")}
+    with DiskWatch(*map(Path, env.values())) as disk:  # a sampler of its own, in this process
+        p = subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", str(RECIPE), "--set", SOURCE, "--to",
+                              "s3://dst/b", "--scratch-limit", "24MiB", "-q", "--jobs", "1"],
+                             env=dict(os.environ, **env), start_new_session=True, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while p.poll() is None and time.monotonic() < deadline:
+            if len(set(objects_names(client, "dst", "b/blobs/")) - theirs) >= 40:
+                break
+            time.sleep(0.2)
+        assert p.poll() is None, p.stderr.read()
+        os.killpg(p.pid, signal.SIGKILL)  # the build and its workers, mid-stream
+        p.wait()
+        p.stderr.close()
+        assert client.get_object(Bucket="dst", Key="b/publish.json")["Body"].read() == before
+        present = {k.removeprefix("b/") for k in objects_names(client, "dst", "b/blobs/")}
 
-    _recorder(url, "reset-recording")
-    _recorder(url, "start-recording")
-    try:
-        r = stream("s3://kill/b", env)
-    finally:
-        _recorder(url, "stop-recording")
+        _recorder(url, "reset-recording")
+        _recorder(url, "start-recording")
+        try:
+            r = stream("s3://dst/b", env)
+        finally:
+            _recorder(url, "stop-recording")
     assert r.returncode == 0, r.stderr
     puts = recorded(_recorder(url, "download-recording").decode())
     sent = sorted("blobs/" + e["url"].split("/blobs/", 1)[1].split("?")[0] for e in puts
-                  if e["method"] == "PUT" and "/kill/b/blobs/" in e["url"])
-    final = index.parse(client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read(), "index")
-    assert final["build_id"] == reference[1]
-    missing = sorted(index.blobs(final) - {k.removeprefix("b/") for k in present})
+                  if e["method"] == "PUT" and "/dst/b/blobs/" in e["url"])
+    ref_objects, ref_id = reference
+    final = index.parse(client.get_object(Bucket="dst", Key="b/publish.json")["Body"].read(), "index")
+    missing = sorted(index.blobs(final) - present)
     assert 0 < len(missing) < len(index.blobs(final))  # the kill came mid-stream
     assert sent == missing  # each missing blob sent once, nothing already there sent again
-    assert client.get_object(Bucket="kill", Key="b/publish.json")["Body"].read() == reference[0]["publish.json"]
+    # the result: compile + publish's index and every blob it names, byte for byte, the same build id
+    st = json.loads(r.stdout)["stream"]
+    assert json.loads(r.stdout)["build_id"] == final["build_id"] == ref_id
+    got = objects(client, "dst", "b")
+    assert {k: got[k] for k in [index.NAME, *index.blobs(final)]} == ref_objects
+    assert sum(f.stat().st_size for f in topo_ckpt.iterdir()) > 3 * LIMIT  # far above the limit
+    assert 2 << 20 <= st["peak_disk"] <= LIMIT  # it measured its staging (the embedding shard is 2 MiB)
+    assert 0 < disk.peak <= LIMIT
+    assert not (tmp_path / "cache" / "s3").exists()  # the source was read by range, never mirrored
+    weights = [f for f in topo_ckpt.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".json")
+               and f.name in ("config.json", "model.safetensors.index.json")]
+    assert st["source_bytes"] == sum(f.stat().st_size for f in weights)
+    fetched = run_cli("fetch", "s3://dst/b", "--to", str(tmp_path / "fetched"), "--expect", ref_id)
+    assert fetched.returncode == 0, fetched.stderr
+    assert run_cli("check", str(tmp_path / "fetched")).returncode == 0
 
 
 def recorded(text: str) -> list[dict]:
@@ -163,16 +158,14 @@ def objects_names(client, bucket: str, prefix: str) -> list[str]:
             for o in page.get("Contents", [])]
 
 
-def test_a_scratch_limit_that_cannot_stage_the_largest_shard_is_refused_up_front(s3, tmp_path):
-    _, client = s3
-    client.create_bucket(Bucket="small")
+def test_a_scratch_limit_that_cannot_stage_the_largest_shard_is_refused_up_front(topo_ckpt, tmp_path):
     env = local(tmp_path)
-    r = run_cli("compile", str(RECIPE), "--set", SOURCE, "--to", "s3://small/b", "--scratch-limit", "2MiB",
-                env=env)
+    r = run_cli("compile", str(RECIPE), "--set", f"source={topo_ckpt}", "--to", str(tmp_path / "store"),
+                "--scratch-limit", "2MiB", env=env)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--scratch-limit 2.00 MiB" in lines[0] and "weights/embed-host.safetensors" in lines[0]
-    assert objects_names(client, "small", "") == []  # nothing stored, no lease left
+    assert not (tmp_path / "store").exists()  # nothing stored, no lease left
 
 
 def test_into_a_folder_store_signed_with_a_key_it_equals_a_signed_publish(built, tmp_path):
