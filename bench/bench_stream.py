@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--scratch-limit", default="2GiB")
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--dir", default="/tmp/gkbench-stream")
+    ap.add_argument("--local", action="store_true",
+                    help="a folder source (memory-mapped) and folder stores: no S3 server (no ranged reads)")
     a = ap.parse_args()
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
@@ -71,19 +73,23 @@ def main() -> None:
     print(f"load before: {os.getloadavg()}", flush=True)
     ck = d / "ckpt"
     subprocess.run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out", str(ck), "--max-shard-size",
-                    "1GB"], check=True)  # hub-like files of a GB (moto fails to complete a 4 GB multipart upload)
+                    "64MB"], check=True)  # moto reads a whole object for each ranged GET: small files keep that bounded
     files = ["config.json", "model.safetensors.index.json", *sorted(p.name for p in ck.glob("*.safetensors"))]
     source_bytes = sum((ck / n).stat().st_size for n in files)
-    with moto_server() as url:
+    global SOURCE
+    with (contextlib.nullcontext() if a.local else moto_server()) as url:
         import boto3
 
-        s3 = boto3.client("s3", endpoint_url=url)
-        for b in ("src", "dst"):
-            s3.create_bucket(Bucket=b)
-        for n in files:
-            s3.upload_file(str(ck / n), "src", f"ckpt/{n}")
-        shutil.rmtree(ck)
-        print(f"source: {a.layers} layers, {gib(source_bytes)} in s3://src/ckpt", flush=True)
+        if a.local:
+            SOURCE, s3 = f"source={ck}", None
+        else:
+            s3 = boto3.client("s3", endpoint_url=url)
+            for b in ("src", "dst"):
+                s3.create_bucket(Bucket=b)
+            for n in files:
+                s3.upload_file(str(ck / n), "src", f"ckpt/{n}")
+            shutil.rmtree(ck)
+        print(f"source: {a.layers} layers, {gib(source_bytes)} in {SOURCE}", flush=True)
         env = dict(os.environ)
         with (ray_cluster(nodes=2, cpus=1, memory_gib=6) if not a.no_ray else contextlib.nullcontext()) as cluster:
             rows = []
@@ -92,7 +98,7 @@ def main() -> None:
                 for name, executor in plans[i % 3:] + plans[:i % 3]:  # rotate: no variant always first
                     if name == "ray" and cluster is None:
                         continue
-                    to = f"s3://dst/{name}-{i}"
+                    to = str(d / f"store-{name}") if a.local else f"s3://dst/{name}-{i}"
                     if name == "baseline":
                         t0 = time.perf_counter()
                         r = step(name, ["sh", "-c", f'"{GK}" compile "{RECIPE}" --set {SOURCE} --out "{d}/build" '
@@ -100,7 +106,7 @@ def main() -> None:
                                  d, env)
                         r["wall"] = time.perf_counter() - t0
                         r["build_id"] = r["report"]["build_id"]
-                        r["source_read"] = source_bytes  # the mirror downloads every file once
+                        r["source_read"] = 0 if a.local else source_bytes  # the mirror downloads every file once
                     else:
                         e = dict(env, RAY_ADDRESS=cluster["gcs"]) if executor == "ray" else env
                         r = step(name, [GK, "compile", RECIPE, "--set", SOURCE, "--to", to, "--no-compile", "--json",
@@ -111,7 +117,10 @@ def main() -> None:
                     r.pop("report", None)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-                    s3fs_rm(s3, "dst", f"{name}-{i}/")
+                    if a.local:
+                        shutil.rmtree(to)
+                    else:
+                        s3fs_rm(s3, "dst", f"{name}-{i}/")
             shutil.rmtree(d / "build", ignore_errors=True)
     print(f"load after: {os.getloadavg()}")
     ids = {r["build_id"] for r in rows}

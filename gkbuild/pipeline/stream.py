@@ -31,13 +31,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import __version__
-from ..checkpoint.reader import INDEX, Checkpoint
+from ..checkpoint.reader import INDEX
 from ..checkpoint.source import cache_root, materialize, parse
 from ..errors import GkError
-from ..paths import STATE_DIR, claim, inside
+from ..paths import claim, inside
 from ..plan import ShardFile
 from ..progress import Progress
-from ..publish import index
 from ..publish.leases import Lease
 from ..publish.publish import _publish, _stored_entry, put_blob, signed_build
 from ..publish.stores import DirStore, open_store

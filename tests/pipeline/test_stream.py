@@ -7,6 +7,7 @@ recorder). The limit is checked before anything is read or stored."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,8 +185,6 @@ def test_into_a_folder_store_signed_with_a_key_it_equals_a_signed_publish(built,
     res = stream_build(recipe.load(RECIPES / "tiny-cpu.yaml"), str(tmp_path / "store"), 64 << 20, quiet=True,
                        compile=False, sign=str(pem))
     ref = tmp_path / "ref-build"
-    import shutil
-
     shutil.copytree(built, ref)
     publish(ref, str(tmp_path / "ref"), quiet=True, sign=str(pem))
     got_idx, ref_idx = (json.loads((tmp_path / s / index.NAME).read_text()) for s in ("store", "ref"))

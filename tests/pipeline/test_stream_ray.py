@@ -6,13 +6,16 @@ build id, and no node staged more than the limit."""
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from gkbuild.checkpoint.source import cache_root
-from tests.conftest import run_cli
-from tests.pipeline.test_stream import LIMIT, RECIPE, SOURCE, Disk, local, objects, reference, s3  # noqa: F401
+from gkbuild.pipeline.stream import DiskWatch
+from tests.pipeline.test_stream import LIMIT, RECIPE, SOURCE, local, objects, reference, s3  # noqa: F401
 from tests.raycluster import ray_cluster, running_tasks
 
 pytestmark = pytest.mark.slow
@@ -32,10 +35,7 @@ def test_the_ray_executor_streams_the_same_build_and_survives_a_lost_worker(s3, 
     client.create_bucket(Bucket="ray-dst")
     env = local(tmp_path)
     staging = cache_root() / "stream" / "staging"  # the workers' (they run on this machine)
-    import subprocess
-    import sys
-
-    with Disk(*env.values(), staging) as disk:
+    with DiskWatch(*map(Path, env.values()), staging) as disk:
         p = subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", str(RECIPE), "--set", SOURCE, "--to",
                               "s3://ray-dst/b", "--scratch-limit", "24MiB", "--json", "--executor", "ray",
                               "--jobs", "2"], env=dict(os.environ, **env, RAY_ADDRESS=cluster["gcs"]),
