@@ -29,14 +29,15 @@ def _cell(text) -> str:
     return escape(printable(str(text)))
 
 
-def _parse_size(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+def _parse_size(text: str, option: str = "--max-shard-size") -> int:
+    units = {"": 1, "b": 1, **{f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("kmg")
+                                for suffix in ("", "b", "ib")}}
     t = text.strip().lower()
-    num = t.rstrip("kmgb")
+    num = t.rstrip("kmgib")
     try:
         return int(float(num) * units[t[len(num):]])
     except (ValueError, KeyError):
-        raise GkError(f"--max-shard-size: {text!r} is not a size like 4GB or 512MB") from None
+        raise GkError(f"{option}: {text!r} is not a size like 4GB or 512MB") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -189,6 +190,12 @@ def plan(recipe_path, overrides, as_json, show_compile):
         click.echo(line)
 
 
+_sign_option = click.option(
+    "--sign", "sign", metavar="KEY|sigstore", default=None,
+    help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or 'sigstore' "
+         "for keyless signing with the CI's OIDC identity (needs gkbuild[sign]). compile: with --to only.")
+
+
 @cli.command("compile")
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
@@ -205,11 +212,21 @@ def plan(recipe_path, overrides, as_json, show_compile):
               help="Follow a `gkbuild doctor` report's answers (Neuron targets; recipe key compile.host_profile).")
 @click.option("--cache-push", is_flag=True, envvar="GKBUILD_COMPILE_CACHE_PUSH",
               help="Store the compiled programs in the --cache store; env GKBUILD_COMPILE_CACHE_PUSH=1.")
+@click.option("--to", "to", metavar="STORE", default=None,
+              help="Stream the build into STORE (a folder store or s3://BUCKET/PREFIX) instead of a build folder: "
+                   "the source is read by byte range (s3://, hf:// are not mirrored), each shard is stored as a "
+                   "blob as soon as it is made, the index and manifest are committed last (as publish does).")
+@click.option("--scratch-limit", default="4GiB", show_default=True, metavar="SIZE",
+              help="With --to: the local disk the build may use (state, metadata, staged shards); refused "
+                   "up front if it cannot hold the largest shard.")
+@click.option("--executor", default="local", show_default=True, metavar="local|ray|ray://HOST:PORT",
+              help="With --to: run the shard jobs in local processes or as tasks on a Ray cluster.")
+@_sign_option
 @_set_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or tables.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
-def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, host_profile, cache_push, overrides,
-                quiet, as_json):
+def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, host_profile, cache_push, to,
+                scratch_limit, executor, sign, overrides, quiet, as_json):
     """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
     and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
     through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
@@ -219,6 +236,11 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     where it stopped. Without the Neuron SDK a trn build records its NEFF stage as skipped and
     warns; --require-neff makes that an error. With --cache, a program another host compiled with
     the same compile key is fetched and verified instead of compiled.
+
+    With --to STORE the build goes straight into a store, as compile + publish would leave it (the
+    same bytes and build id): the source is read by byte range, each shard is staged, stored and
+    deleted, and the index is committed last; local disk stays under --scratch-limit (checked up
+    front, the peak reported). A killed run's rerun sends only what the store lacks.
     """
     from .pipeline.pipeline import compile_build
     from .recipe import load
@@ -236,12 +258,35 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         if r.backend != "neuron":
             raise GkError(f"compile.host_profile: a gkbuild doctor profile is for trn2/trn3 builds, not {r.target}")
         hostprofile.of(r)
-    res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
-                        require_neff=require_neff, cache=cache or None, cache_push=cache_push)
+    if to is None:
+        if sign or executor != "local" or scratch_limit != "4GiB":
+            opt = "sign" if sign else "executor" if executor != "local" else "scratch-limit"
+            raise GkError(f"--{opt}: only for a build streamed into a store (--to STORE)"
+                          + ("; a build folder is signed when it is published (publish --sign)" if sign else ""))
+        res = compile_build(r, out=out_dir, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
+                            require_neff=require_neff, cache=cache or None, cache_push=cache_push)
+    else:
+        from .farm.run import parse_executor
+        from .pipeline.stream import stream_build
+
+        if out_dir is not None:
+            raise GkError("--out and --to: a streamed build writes into the store, not a folder; give one of them")
+        parse_executor(executor)
+        res = stream_build(r, to, _parse_size(scratch_limit, "--scratch-limit"),
+                           executor, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
+                           require_neff=require_neff, cache=cache or None, cache_push=cache_push, sign=sign)
     if as_json:
-        click.echo(json.dumps(res.summary(), indent=2))
+        click.echo(json.dumps({**res.summary(), **({"stream": res.stream} if to else {})}, indent=2))
     elif not quiet:
         _print_build(res)
+        if to:
+            from .summary import human_bytes
+
+            st = res.stream
+            out.print(f"-> {st['where']}: {st['blobs_sent']} blobs sent ({human_bytes(st['bytes_sent'])}), "
+                      f"{st['shards_already_stored']} shards already stored; peak local disk "
+                      f"{human_bytes(st['peak_disk'])} of {human_bytes(st['scratch_limit'])}; source read "
+                      f"{human_bytes(st['source_read'])} of {human_bytes(st['source_bytes'])}")
 
 
 def _print_build(res) -> None:
@@ -506,9 +551,7 @@ def _print_verify(rep) -> None:
 @click.option("--prune", is_flag=True, help="Folder and s3:// stores: delete blobs the new index no longer references "
               "(a fetch of the previous build running at the same time would then fail; skipped while another "
               "publish holds a lease on the store).")
-@click.option("--sign", "sign", metavar="KEY|sigstore", default=None,
-              help="Sign the manifest and a provenance statement with model-signing: a private key's PEM file, or "
-                   "'sigstore' for keyless signing with the CI's OIDC identity (needs gkbuild[sign]).")
+@_sign_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):

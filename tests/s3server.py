@@ -13,15 +13,18 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
+def moto_server(recording: str | None = None) -> Iterator[str]:
     """Start moto's S3 server on a free port of 127.0.0.1 and point the AWS chain at it (endpoint,
     dummy credentials, no profile files, no instance-metadata lookups); yields the endpoint URL;
-    stops the server and restores the environment on exit. Nothing reaches beyond this machine."""
+    stops the server and restores the environment on exit. Nothing reaches beyond this machine.
+    ``recording``: the file moto's request recorder writes to (``/moto-api/recorder/...``), for a
+    test that counts requests."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, **({"MOTO_RECORDER_FILEPATH": recording} if recording else {})))
     url = f"http://127.0.0.1:{port}"
     env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",

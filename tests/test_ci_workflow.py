@@ -1,5 +1,5 @@
-"""The GitHub Actions workflow: it parses, runs compile -> verify (stored golden) -> check ->
-publish in that order, fans the compile farm out over the programs `farm --list --json` names
+"""The GitHub Actions workflow: it parses, streams the build into the store (compile --to, signed,
+on a bounded scratch disk), then fetches it back -> verify (stored golden) -> check in that order, fans the compile farm out over the programs `farm --list --json` names
 (one matrix cell a compile key, `farm --only KEY`) before the build assembles from the cache,
 every gkbuild command in it is valid for this CLI, and the defaults it names exist and pass (the
 stored golden still verifies the default recipe's build)."""
@@ -33,7 +33,7 @@ def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     """Every gkbuild invocation in the job's run steps, env references filled with sample values."""
     job = wf["jobs"][job]
     env = {"RECIPE": "recipes/tiny-cpu.yaml", "GOLDEN": "goldens/tiny.safetensors", "OUT": "artifacts/x",
-           "HUB_REPO": "org/name", "BRANCH": "build-1", "NEFF": "--require-neff", "KEY": "0123456789abcdef",
+           "STORE": "s3://bucket/builds", "SCRATCH": "8GiB", "NEFF": "--require-neff", "KEY": "0123456789abcdef",
            "SIGNER": "https://github.com/org/gk/.github/workflows/build-artifacts.yml@refs/tags/build-1"}
     cmds = []
     for step in job["steps"]:
@@ -45,16 +45,25 @@ def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     return cmds
 
 
-def test_the_workflow_builds_verifies_checks_then_publishes_on_a_tag():
+def test_the_workflow_streams_the_build_into_the_store_then_fetches_verifies_and_checks_it():
     wf = _workflow()
     on = wf[True] if True in wf else wf["on"]  # YAML 1.1 reads the key `on` as true
     assert on["push"]["tags"] == ["build-*"]
     cmds = _commands(wf)
-    assert [c[0] for c in cmds] == ["compile", "verify", "check", "publish"]
-    assert "--golden" in cmds[1] and cmds[3][cmds[3].index("--to") + 1].startswith("hf://")
-    steps = wf["jobs"]["build"]["steps"]
-    assert "secrets.HF_TOKEN" in wf["jobs"]["build"]["env"]["HF_TOKEN"]
+    assert [c[0] for c in cmds] == ["compile", "fetch", "verify", "check"]
+    build = cmds[0]
+    assert build[build.index("--to") + 1] == "s3://bucket/builds" and "--out" not in build  # streamed: no build folder
+    assert build[build.index("--scratch-limit") + 1] == "8GiB" and build[build.index("--sign") + 1] == "sigstore"
+    assert "--golden" in cmds[2] and cmds[1][cmds[1].index("--to") + 1] == cmds[2][1] == cmds[3][1]
+    job = wf["jobs"]["build"]
+    steps = job["steps"]
+    assert job["env"]["STORE"].startswith("${{ vars.GKBUILD_STORE ||") and "GKBUILD_SCRATCH_LIMIT" in job["env"]["SCRATCH"]
+    # a recipe without a golden (120b) is never fetched back onto the runner's disk
+    later = [s for s in steps if any(f"gkbuild {c}" in s.get("run", "") for c in ("fetch", "verify", "check"))]
+    assert len(later) == 3 and all(s["if"] == "env.GOLDEN != 'none'" for s in later)
+    assert "secrets.HF_TOKEN" in job["env"]["HF_TOKEN"]
     assert any(s.get("run", "").strip() == "make install" for s in steps)
+    assert cli.commands["compile"].make_context("compile", build[1:])  # every option exists
 
 
 def test_the_build_job_keeps_the_verify_report_as_an_artifact():
@@ -62,7 +71,8 @@ def test_the_build_job_keeps_the_verify_report_as_an_artifact():
     wf = _workflow()
     verify = next(c for c in _commands(wf) if c[0] == "verify")
     report = verify[verify.index("--report") + 1]
-    upload = next(s for s in wf["jobs"]["build"]["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    upload = next(s for s in wf["jobs"]["build"]["steps"] if s.get("uses", "").startswith("actions/upload-artifact")
+                  and s["with"]["name"] == "gkbuild-reports")
     assert upload["if"] == "always()"
     kept = [p.strip().rstrip("/") for p in upload["with"]["path"].splitlines() if p.strip()]
     assert report in kept and "verify-report.json" in kept
@@ -74,6 +84,7 @@ def test_the_trainium_job_fetches_the_published_build_and_verifies_its_neffs():
     assert job["needs"] == "build" and "GKBUILD_TRAINIUM_RUNNER" in job["runs-on"]
     cmds = _commands(wf, "verify-on-trainium")
     assert [c[0] for c in cmds] == ["fetch", "verify"] and cmds[1][cmds[1].index("--engine") + 1] == "neuron"
+    assert cmds[0][1] == "s3://bucket/builds" and "GKBUILD_STORE" in job["if"]  # from the store the build streamed into
     # the build job needs no NeuronCore: it installs the SDK for trn recipes and traces on the host
     assert any("gkbuild[neuron]" in s.get("run", "") or ".[neuron]" in s.get("run", "")
                for s in wf["jobs"]["build"]["steps"])
@@ -112,8 +123,8 @@ def test_the_farm_fans_out_over_the_missing_programs_then_the_build_assembles(tm
 def test_the_build_is_signed_keyless_by_the_runner_and_the_fetching_job_trusts_that_identity():
     wf = _workflow()
     assert wf["permissions"]["id-token"] == "write"  # the runner may ask GitHub for its OIDC token
-    publish = _commands(wf)[3]
-    assert publish[publish.index("--sign") + 1] == "sigstore"
+    build = _commands(wf)[0]
+    assert build[0] == "compile" and build[build.index("--sign") + 1] == "sigstore"
     job = wf["jobs"]["verify-on-trainium"]
     fetch = _commands(wf, "verify-on-trainium")[0]
     assert fetch[fetch.index("--trust") + 1] == "https://github.com/org/gk/.github/workflows/build-artifacts.yml@" \

@@ -45,13 +45,18 @@ class Checkpoint:
         config = GptOssConfig.from_file(root / "config.json")
         files = weight_files(root)
         headers = {f: read_header(root / f) for f in files}
+        return cls.assemble(root, config, headers, _read_index(root))
+
+    @classmethod
+    def assemble(cls, root, config: GptOssConfig, headers: dict[str, Header], index: dict[str, str] | None):
+        """A checkpoint from its files' headers and its index (tensor -> file), all cross-checked
+        against each other and the config; ``root`` names it in messages."""
         where: dict[str, TensorInfo] = {}
         for f, h in headers.items():
             for name, info in h.tensors.items():
                 if name in where:
                     raise GkError(f"{root / f}: tensor {name} is also in {where[name].file.name}")
                 where[name] = info
-        index = _read_index(root)
         if index is not None:
             for name, f in index.items():
                 if name not in where:
@@ -102,6 +107,11 @@ class Checkpoint:
             arr = arr[lo:hi]
         row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
         m.populate(info.offset + (lo or 0) * row, arr.nbytes)
+        return self._check(info, arr, lo, hi)
+
+    def _check(self, info: TensorInfo, arr: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
+        """``arr`` (tensor ``info``'s slice [lo, hi)) once its values are checked (once a slice)."""
+        name = info.name
         if (name, lo, hi) not in self._checked:  # the reference reads a layer's tensors once a pass
             from .mxfp4 import check_scales
 
@@ -182,7 +192,11 @@ def _read_index(root: Path) -> dict[str, str] | None:
 
 def read_index(p: Path, where: str) -> dict[str, str]:
     """A safetensors index's weight map (tensor -> file), bounded and checked."""
-    obj = jsonio.read(p, MAX_INDEX, where)
+    return weight_map(jsonio.read(p, MAX_INDEX, where), where)
+
+
+def weight_map(obj, where: str) -> dict[str, str]:
+    """The ``weight_map`` of a parsed safetensors index, checked."""
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise GkError(f"{where}: not a valid safetensors index (needs a 'weight_map' object of file names)")

@@ -64,18 +64,33 @@ def read_header(path: Path) -> Header:
     try:
         with jsonio.open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise GkError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER):
-                raise GkError(f"{path}: corrupt safetensors header: header length {n} exceeds the "
-                              f"file's {size} bytes")
-            raw = f.read(n)
+            raw = header_bytes(f, size, path)
     except FileNotFoundError:
         raise GkError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise GkError(f"{path}: is a folder, not a safetensors file") from None
+    return parse_header(raw, size, path)
+
+
+def header_bytes(f, size: int, path) -> bytes:
+    """The JSON header of a safetensors file of ``size`` bytes open as ``f`` (a local file or a
+    remote one read by range), its length bounded by the file and ``_MAX_HEADER`` before reading."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise GkError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, _MAX_HEADER):
+        raise GkError(f"{path}: corrupt safetensors header: header length {n} exceeds the "
+                      f"file's {size} bytes")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise GkError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
+    return raw
+
+
+def parse_header(raw: bytes, size: int, path) -> Header:
+    """Check a header's JSON against the file's ``size``: every tensor's dtype, shape and span.
+    ``path`` names the file in messages (a ``Path``, or a remote location with a ``name``)."""
     try:
         obj = jsonio.loads(raw, f"{path}: corrupt safetensors header")
     except jsonio.BadJson as e:
@@ -85,7 +100,7 @@ def read_header(path: Path) -> Header:
     meta = obj.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise GkError(f"{path}: corrupt safetensors header: __metadata__ is not a map of strings")
-    data_start = 8 + n
+    data_start = 8 + len(raw)
     data_len = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, e in obj.items():

@@ -45,23 +45,7 @@ def run(jobs: list[Job], cache_uri: str, address: str | None, retries: int, on_d
     """Run ``jobs`` on the Ray cluster at ``address`` (None: Ray's own lookup: ``RAY_ADDRESS``, a
     cluster started on this machine, else a new local one); ``on_done(job, result)`` as each
     ends. Ctrl-C cancels every task not yet done."""
-    try:
-        import ray
-    except ImportError:
-        raise GkError("--executor ray: Ray is not installed; pip install 'gkbuild[farm]'") from None
-    # Ray's driver prints the cluster's error reports ("(raylet) A worker died...") with print():
-    # they go to stderr, so stdout stays the report (--json).
-    with contextlib.redirect_stdout(sys.stderr):
-        _run(ray, jobs, cache_uri, address, retries, on_done)
-
-
-def _run(ray, jobs: list[Job], cache_uri: str, address: str | None, retries: int, on_done) -> None:
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise GkError(f"--executor ray: cannot reach a Ray cluster at {address or 'RAY_ADDRESS/local'}: "
-                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    try:
+    with session(address) as ray:
         remote = ray.remote(_task)
         refs = {remote.options(name=task_name(j), num_cpus=j.cpus, memory=j.memory, max_retries=retries,
                                retry_exceptions=False).remote(j, cache_uri): j for j in jobs}
@@ -72,11 +56,35 @@ def _run(ray, jobs: list[Job], cache_uri: str, address: str | None, retries: int
                 for ref in done:
                     on_done(refs[ref], _result(ray, ref, refs[ref], retries))
         except BaseException:
-            for ref in pending:
-                ray.cancel(ref, force=True)
+            cancel(ray, pending)
             raise
-    finally:
-        ray.shutdown()
+
+
+@contextlib.contextmanager
+def session(address: str | None):
+    """Ray, connected to the cluster at ``address`` for the block, then disconnected. Ray's driver
+    prints the cluster's error reports ("(raylet) A worker died...") with print(): they go to
+    stderr, so stdout stays the report (--json)."""
+    try:
+        import ray
+    except ImportError:
+        raise GkError("--executor ray: Ray is not installed; pip install 'gkbuild[farm]'") from None
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise GkError(f"--executor ray: cannot reach a Ray cluster at {address or 'RAY_ADDRESS/local'}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def cancel(ray, refs) -> None:
+    """Stop the tasks not yet done: a running one's worker is killed, a pending one dropped."""
+    for ref in refs:
+        ray.cancel(ref, force=True)
 
 
 def _result(ray, ref, job: Job, retries: int) -> dict:

@@ -77,6 +77,11 @@ def _report(n: int, task: str = "shards") -> None:
         _progress.put((task, n))
 
 
+def use_checkpoint(root: str, ck) -> None:
+    """Serve ``root`` from ``ck`` in this process (a streamed build's checkpoint read by range)."""
+    _ck[root] = ck
+
+
 def _checkpoint(root: str) -> Checkpoint:
     if root not in _ck:
         _ck[root] = Checkpoint.open(root, plain=True)  # bf16 as u16 bits: no ml_dtypes in a build

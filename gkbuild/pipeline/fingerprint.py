@@ -75,6 +75,14 @@ class Fingerprints:
     def remember(self, path: Path, digest: str, scope: str | None = None) -> None:
         self.known[_key(path, scope)] = self._new[_key(path, scope)] = digest
 
+    def lookup_remote(self, ident: str) -> str | None:
+        """The remembered sha256 of a remote file, by ``ident`` (its location, size and ETag or
+        commit: what pins its content)."""
+        return self.known.get(f"remote|{ident}")
+
+    def remember_remote(self, ident: str, digest: str) -> None:
+        self.known[f"remote|{ident}"] = self._new[f"remote|{ident}"] = digest
+
     def save(self) -> None:
         if not self._new:
             return

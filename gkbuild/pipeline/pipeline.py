@@ -101,7 +101,7 @@ class _Runner:
                                         initargs=(self.queue,))
         self.progress = progress
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         while not self.queue.empty():
             self.progress.advance(*self.queue.get())
 
@@ -113,7 +113,7 @@ class _Runner:
         try:
             while pending:
                 done, _ = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-                self._drain()
+                self.drain()
                 for fut in done:
                     on_done(pending.pop(fut), fut.result())
         except BaseException:
@@ -121,7 +121,7 @@ class _Runner:
                 fut.cancel()
             raise
         finally:
-            self._drain()
+            self.drain()
 
     def close(self, cancel: bool = False) -> None:
         self.pool.shutdown(wait=True, cancel_futures=cancel)

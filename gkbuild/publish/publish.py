@@ -45,6 +45,24 @@ def _stored_entry(f: dict, stored: dict[str, int], store) -> dict | None:
     return None
 
 
+def put_blob(f: dict, stored: dict[str, int], store, level: int = codec.LEVEL,
+             advance=lambda n: None) -> tuple[dict, str | None, int]:
+    """Store file ``f`` (its path, size, sha256 and local ``src``) as a blob unless the store holds
+    it intact: (its index entry, the blob's name if it was sent else None, bytes sent). The bytes
+    are hashed as they go and must be the ``sha256`` given."""
+    e = _stored_entry(f, stored, store)
+    if e is not None:
+        return e, None, 0
+    enc, _ = codec.choose(f["src"], level)
+    name = index.blob_name(f["sha256"], enc)
+    with store.writer(name) as out, open_regular(f["src"], buffering=0) as src:
+        got, stored_size = codec.encode(src, out, enc, level, advance=advance)
+        if got != f["sha256"]:
+            raise GkError(f"{f['src']}: sha256 {got[:16]} differs from the manifest's {f['sha256'][:16]} "
+                          f"(changed since it was built); run gkbuild check, rebuild, then publish")
+    return index.entry(f["path"], f["size"], f["sha256"], enc, stored_size), name, stored_size
+
+
 def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | None = None, prune: bool = False,
             quiet: bool = False, api=None, fs=None, sign: str | None = None) -> dict:
     """Publish ``build_dir`` to ``dest`` (a folder, ``hf://org/name[@branch]`` or ``s3://``); returns a
@@ -54,6 +72,17 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     and its provenance (who signed it, a fetch with --trust checks); else it is left out, with a
     warning."""
     build_dir = Path(build_dir)
+    built = signed_build(build_dir, sign)
+    store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
+    if not store.leases:
+        return _publish(built, store, level, jobs, prune, quiet, None)
+    store.prepare()  # refuses a folder that is not a store before the lease is written into it
+    with Lease(store) as lease:  # taken before the store is listed: a --prune elsewhere sees this publish
+        return _publish(built, store, level, jobs, prune, quiet, lease)
+
+
+def signed_build(build_dir: Path, sign: str | None) -> tuple:
+    """(folder, manifest bytes, manifest, signature) of a build, signed first with ``sign``."""
     man_bytes = mf.read_bytes(build_dir)
     m = mf.parse(man_bytes, str(build_dir / mf.NAME))
     if sign:
@@ -64,17 +93,15 @@ def publish(build_dir: Path, dest: str, level: int = codec.LEVEL, jobs: int | No
     if why:  # a signature carried in from elsewhere: never published beside a manifest it does not sign
         warn(f"{build_dir / SIGNATURE}: {why}; publishing the build unsigned (sign it with --sign)")
         signed = None
-    built = (build_dir, man_bytes, m, signed)
-    store = open_store(dest, staging=build_dir / STATE_DIR / "publish", api=api, fs=fs)
-    if not store.leases:
-        return _publish(built, store, level, jobs, prune, quiet, None)
-    store.prepare()  # refuses a folder that is not a store before the lease is written into it
-    with Lease(store) as lease:  # taken before the store is listed: a --prune elsewhere sees this publish
-        return _publish(built, store, level, jobs, prune, quiet, lease)
+    return build_dir, man_bytes, m, signed
 
 
-def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease) -> dict:
+def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease,
+             known: dict[str, dict] | None = None) -> dict:
+    """``known``: path -> index entry of files the caller already stored (a streamed build's
+    shards, which are not in ``build_dir``)."""
     build_dir, man_bytes, m, signed = built
+    known = known or {}
     prev_bytes = store.read_index()
     prev = index.parse(prev_bytes, f"{store.uri}/{index.NAME}") if prev_bytes is not None else None
     stored = store.stored()
@@ -86,7 +113,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
             and not store.verifies_blobs and prev.get("signature", {}).get("sha256") == sig_sha):
         report.update(already=True, entries=prev["files"], where=store.uri)
         return report
-    for f in files:
+    for f in (f for f in files if f["path"] not in known):
         size = f["src"].stat().st_size if f["src"].is_file() else None
         if size != f["size"]:
             raise GkError(f"{f['src']}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
@@ -103,26 +130,16 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     todo = list(groups.values())
 
     def store_one(same: list[dict]) -> None:
-        f = same[0]
         if lease:
             lease.renew()
-        e = _stored_entry(f, stored, store)
-        if e is not None:
-            with lock:
-                entries.update({g["path"]: {**e, "path": g["path"]} for g in same})
-            return
-        enc, _ = codec.choose(f["src"], level)
-        name = index.blob_name(f["sha256"], enc)
-        with store.writer(name) as out, open_regular(f["src"], buffering=0) as src:
-            got, stored_size = codec.encode(src, out, enc, level, advance=advance)
-            if got != f["sha256"]:
-                raise GkError(f"{f['src']}: sha256 {got[:16]} differs from the manifest's {f['sha256'][:16]} "
-                              f"(changed since it was built); run gkbuild check, rebuild, then publish")
+        done = next((known[g["path"]] for g in same if g["path"] in known), None)
+        e, name, sent = (done, None, 0) if done else put_blob(same[0], stored, store, level, advance)
         with lock:
-            added.append(name)
-            report["uploaded_files"] += 1
-            report["uploaded_bytes"] += stored_size
-            entries.update({g["path"]: index.entry(g["path"], g["size"], g["sha256"], enc, stored_size) for g in same})
+            if name:
+                added.append(name)
+                report["uploaded_files"] += 1
+                report["uploaded_bytes"] += sent
+            entries.update({g["path"]: {**e, "path": g["path"]} for g in same})
 
     with bar(f"publish {m['name']}", sum(same[0]["size"] for same in todo), quiet) as advance:
         run_each(store_one, todo, jobs or os.cpu_count() or 1, on_failure=store.discard)

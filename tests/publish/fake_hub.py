@@ -104,6 +104,14 @@ class FakeHub:
         return type("CommitInfo", (), {"oid": oid})()
 
     # --- HfFileSystem ---
+    def ls(self, path, detail=True, revision=None, **kw):
+        """The files at the repo root, as HfFileSystem lists them: an LFS file (over 10 MB) with its
+        sha256 in ``lfs``, the hub's rule for what goes to LFS."""
+        tree = self._branch(path, revision)[-1].tree
+        return [{"name": f"{path}/{p}", "size": len(b), "type": "file",
+                 "lfs": {"sha256": hashlib.sha256(b).hexdigest(), "size": len(b)} if len(b) > 10 << 20 else None}
+                for p, b in sorted(tree.items()) if "/" not in p]
+
     def open(self, path, mode="rb", block_size=None, revision=None, **kw):
         org, name, rel = path.split("/", 2)
         tree = self._branch(f"{org}/{name}", revision)[-1].tree
