@@ -256,6 +256,15 @@ def probe_rows(hidden: int, n: int = PROBES, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed))
 
 
+def build_kv(m: dict) -> KvFormat:
+    """The KV format a build's kernel stores (dtype and dequant scales), from its manifest."""
+    kv = m["layout"]["kv"]
+    if kv["dtype"] == "bf16":
+        return KvFormat("bf16")
+    rk = m["recipe"]["resolved"]["kv_cache"]
+    return KvFormat(kv["dtype"], float(rk["k_scale"]), float(rk["v_scale"]))
+
+
 def host_memory() -> int:
     """This host's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -41,7 +41,7 @@ import torch
 
 from .errors import GkError
 from .progress import steps_bar
-from .reference import KvFormat
+from .reference import KvFormat, build_kv
 
 # {top-k or None (all): (atol, rtol)}
 TOLERANCES = {
@@ -63,15 +63,6 @@ NOISE_FLOOR = {"max": 1e-3, "median": 1e-5}
 BLAME_FACTOR = 10
 EXPERT_TOL = 1e-4  # relative error of an expert's output on a probe row (faithful: ~1e-7)
 TAIL_TOL = 1e-4  # relative error of the final norm's output and of the logits from it (faithful: ~1e-7)
-
-
-def build_kv(m: dict) -> KvFormat:
-    """The KV format a build's kernel stores (dtype and dequant scales), from its manifest."""
-    kv = m["layout"]["kv"]
-    if kv["dtype"] == "bf16":
-        return KvFormat("bf16")
-    rk = m["recipe"]["resolved"]["kv_cache"]
-    return KvFormat(kv["dtype"], float(rk["k_scale"]), float(rk["v_scale"]))
 
 
 def tier(golden: KvFormat, build: KvFormat, loose: bool = False) -> str:

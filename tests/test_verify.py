@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gkbuild import recipe, verify
+from gkbuild import recipe, reference, verify
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.errors import GkError
@@ -128,7 +128,7 @@ def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_p
         out = _build(tmp_path, "-".join(sets), sets, "tiny-topology-trn2.yaml")
         if golden is None:  # one golden (4 steps) in the builds' KV format, shared
             golden = for_checkpoint(materialize(parse("synth://tiny-topology?layers=2&seed=0")),
-                                    default_prompts(2048, 4, 4), 4, verify.build_kv(Build.open(out).manifest))
+                                    default_prompts(2048, 4, 4), 4, reference.build_kv(Build.open(out).manifest))
         rep = verify.run(out, golden=golden)
         assert rep.ok and rep.kv == "tight", (sets, rep.to_dict())
         assert len(rep.steps) == 8

@@ -230,7 +230,7 @@ class RangedCheckpoint(Checkpoint):
             size = remote.file(f).size
             raw = header_bytes(_Reader(remote, f), size, root / f)
             headers[f] = parse_header(raw, size, root / f)
-        ck = cls.assemble(root, config, headers, index)
+        ck = cls.assemble(root, config, headers, index, plain=True)  # as a local build reads: no ml_dtypes
         ck.remote, ck.fetched, ck._memo, ck._held = remote, 0, OrderedDict(), 0
         return ck
 
@@ -244,7 +244,8 @@ class RangedCheckpoint(Checkpoint):
         shape = info.shape if lo is None else (hi - lo, *info.shape[1:])
         window = self._window(lo, hi, rows, row)
         span = (info.offset + window[0] * row, (window[1] - window[0]) * row) if window else (start, n)
-        arr = np.frombuffer(self._bytes(info.file.name, start, n, span), dtype=info.dtype.numpy).reshape(shape)
+        dt = info.dtype.plain if self.plain else info.dtype.numpy
+        arr = np.frombuffer(self._bytes(info.file.name, start, n, span), dtype=dt).reshape(shape)
         return self._check(info, arr, lo, hi)
 
     def _window(self, lo: int | None, hi: int | None, rows: int, row: int) -> tuple[int, int] | None:

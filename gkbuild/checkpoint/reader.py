@@ -45,12 +45,13 @@ class Checkpoint:
         config = GptOssConfig.from_file(root / "config.json")
         files = weight_files(root)
         headers = {f: read_header(root / f) for f in files}
-        return cls.assemble(root, config, headers, _read_index(root))
+        return cls.assemble(root, config, headers, _read_index(root), plain)
 
     @classmethod
-    def assemble(cls, root, config: GptOssConfig, headers: dict[str, Header], index: dict[str, str] | None):
+    def assemble(cls, root, config: GptOssConfig, headers: dict[str, Header], index: dict[str, str] | None,
+                 plain: bool = False):
         """A checkpoint from its files' headers and its index (tensor -> file), all cross-checked
-        against each other and the config; ``root`` names it in messages."""
+        against each other and the config; ``root`` names it in messages; ``plain``: see the field."""
         where: dict[str, TensorInfo] = {}
         for f, h in headers.items():
             for name, info in h.tensors.items():

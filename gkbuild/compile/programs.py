@@ -8,7 +8,7 @@ import torch
 from ..kernels import decode as dec, tail as tl
 from ..kernels.collectives import Single
 from ..layout.kv import KvLayout
-from ..runtime import KvBuffers
+from ..kv_buffers import KvBuffers
 from .signature import Signature
 
 

@@ -76,7 +76,7 @@ def plan_of(build, prefill_tp: int, num_blocks: int | None = None) -> dict:
 def prefill_args(build, tp: int, num_blocks: int) -> list[str]:
     """The prefill engine for a build: its source checkpoint, the build's KV format and block size."""
     from ..checkpoint.source import materialize, parse
-    from ..verify import build_kv
+    from ..reference import build_kv
 
     m = build.manifest
     root = materialize(parse(m["source"]["uri"], base=Path.cwd()))
@@ -304,7 +304,7 @@ def pull(build, session, prompts: list[list[int]], rows: torch.Tensor, spec: Pre
 
 def _pull(build, session, prompts, rows, spec: Prefill, plan: dict, endpoint, quiet: bool) -> int:
     from ..progress import note
-    from ..verify import build_kv
+    from ..reference import build_kv
 
     peer = Peer(endpoint, spec.timeout)
     try:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from gkbuild import recipe, verify
+from gkbuild import recipe, reference, verify
 from gkbuild.checkpoint.synth import synthesize
 from gkbuild.compile import conformance, interface, kernel_source, neuron, rules, signature, switches
 from gkbuild.errors import GkError
@@ -311,7 +311,7 @@ def test_every_configuration_traces_and_verifies(name, fake_sdk, tmp_path, golde
         _traced(res, r, sets, out, fake_sdk)
     assert run_cli("check", str(out), "-q").returncode == 0
     # and the build decodes what the reference does, through the twins
-    rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out))))
+    rep = verify.run(out, golden=goldens(reference.build_kv(mf.load(out))))
     assert rep.ok and rep.kv == "tight", (name, rep.to_dict())
     assert not rep.unmodeled
 
@@ -415,7 +415,7 @@ def test_paired_layers_share_entries_at_four_layers(fake_sdk, tmp_path, goldens)
     compile_build(r, out=out, quiet=True, require_neff=True)
     dec = _outputs(out, "decode-b128")
     assert dec[1][0] == [2, 96, 1, 2, 32, 2] and dec[2][0] == [2, 96, 1, 4, 32]
-    rep = verify.run(out, golden=goldens(verify.build_kv(mf.load(out)), ck))
+    rep = verify.run(out, golden=goldens(reference.build_kv(mf.load(out)), ck))
     assert rep.ok and rep.kv == "tight", rep.to_dict()
 
 
@@ -489,6 +489,6 @@ def test_a_lossy_switch_is_recorded_and_named_by_verify(fake_sdk, tmp_path, gold
     assert res.manifest["compile"]["artifacts"][1]["kernel"]["switches"]["VLLM_NEURON_MEGA_FP8_RS"]["value"] == "0"
     assert verify.unmodeled_switches(res.manifest) == ["VLLM_NEURON_MEGA_FP8_RS=1"]
     golden = tmp_path / "g.safetensors"
-    goldens(verify.build_kv(res.manifest)).save(golden)
+    goldens(reference.build_kv(res.manifest)).save(golden)
     r = run_cli("verify", str(out), "--golden", str(golden))
     assert "VLLM_NEURON_MEGA_FP8_RS=1, numerics the twins do not model" in r.stdout, r.stdout + r.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gkbuild import recipe, verify
+from gkbuild import recipe, reference, verify
 from gkbuild.pipeline import manifest as mf
 from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.compile import inductor
@@ -118,7 +118,7 @@ def test_a_tie_the_compiled_programs_cannot_be_steered_at_is_not_judged_from_the
 
     out, _ = built
     m = mf.load(out)
-    g = for_checkpoint(materialize(parse(m["source"]["uri"])), default_prompts(4096, 2, 4), 4, verify.build_kv(m))
+    g = for_checkpoint(materialize(parse(m["source"]["uri"])), default_prompts(4096, 2, 4), 4, reference.build_kv(m))
     g.router_gap[0, 1, 3] = 0.0
     rep = verify.run(out, golden=g, engine="compiled")
     assert rep.ok and rep.unjudged == 8 - 3 and rep.routing_forced >= 1, rep.to_dict()

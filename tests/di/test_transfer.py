@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gkbuild import recipe, verify
+from gkbuild import recipe, reference, verify
 from gkbuild.checkpoint.source import materialize, parse
 from gkbuild.di import decode as di_decode
 from gkbuild.di import nixl
@@ -53,7 +53,7 @@ def goldens(builds):
     ck = materialize(parse(SOURCE))
     out = {}
     for dtype in ("fp8", "bf16"):
-        fmt = verify.build_kv(Build.open(builds[f"stacked-{dtype}"]).manifest)
+        fmt = reference.build_kv(Build.open(builds[f"stacked-{dtype}"]).manifest)
         for n in LENGTHS:
             out[dtype, n] = for_checkpoint(ck, default_prompts(2048, PROMPTS, n), STEPS, fmt)
     return out
@@ -146,7 +146,7 @@ def _warm(build, endpoint, g) -> None:
     b = Build.open(build)
     peer = di_decode.Peer(endpoint, timeout=300)
     try:
-        peer.check(di_decode.plan_of(b, 4), verify.build_kv(b.manifest))
+        peer.check(di_decode.plan_of(b, 4), reference.build_kv(b.manifest))
         peer.release(peer.prefill(g.token_ids[:, :g.prompt_len].tolist())["round"])
     finally:
         peer.close()
