@@ -150,7 +150,7 @@ def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_p
         rep = verify.run(out, golden=golden)
         assert rep.ok and rep.kv == "tight", (sets, rep.to_dict())
         assert len(rep.steps) == 8
-        reports[" ".join(sets)] = rep.to_dict()
+        reports[" ".join(sets)] = {k: v for k, v in rep.to_dict().items() if k != "stages"}  # all but timings
     first = next(iter(reports.values()))
     assert all(r == first for r in reports.values()), reports
 
