@@ -81,7 +81,8 @@ def compare_trees(a: argparse.Namespace) -> None:
              str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
         # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
         # cache), which would fall on whichever tree goes first
-        run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"], stdout=subprocess.DEVNULL)
+        run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
+            stdout=subprocess.DEVNULL)
         for tree in order * a.repeat:
             cmd, env = trees[tree]
             with open(d / f"verify-{tree}{L}.json", "w") as f:
@@ -118,10 +119,12 @@ def compare_trees(a: argparse.Namespace) -> None:
             for kind in ("golden", "verify"):
                 c, sl = fit(a.layers, [got[tree, kind, L][what] for L in a.layers])
                 total[tree, what] += c + sl * MODEL_LAYERS
-                print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> {(c + sl * MODEL_LAYERS) / 60:.1f} min")
+                print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> "
+                      f"{(c + sl * MODEL_LAYERS) / 60:.1f} min")
         print(f"- {tree}: golden + verify at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
               f"CPU {total[tree, 'cpu'] / 60:.1f} min; peak RSS "
-              + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}" for k in ("golden", "verify") for L in a.layers))
+              + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}"
+                          for k in ("golden", "verify") for L in a.layers))
     print(f"- new / base: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
           f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
     shutil.rmtree(d, ignore_errors=True)
@@ -136,7 +139,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--resume", action="store_true", help="keep the measurements and files already in --dir")
     ap.add_argument("--base", help="another gkbuild tree to run beside this one, alternating (issue 28)")
-    ap.add_argument("--repeat", type=int, default=1, help="with --base: verify pairs a layer count (the least CPU kept)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --base: verify pairs a layer count (the least CPU kept)")
     a = ap.parse_args()
     if a.base:
         return compare_trees(a)
