@@ -8,7 +8,12 @@ projected to the 36-layer model. Run alone: one 120b-width process at a time. Di
 and its build of the largest N at once (~33 GB at 8 layers); each is removed when done.
 `--resume` keeps what an interrupted run (e.g. a full disk) measured and made in ``--dir``.
 
-    .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume]
+`--base TREE` (issue 28): also run the golden and the verify of another gkbuild tree (e.g. `git archive`
+of the commit before a change, without a venv: run with this venv's packages), alternating which goes
+first at each layer count, on the same checkpoint and build; each tree's verify is held to its own
+golden, and the two goldens are compared.
+
+    .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume] [--base TREE]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +43,93 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def base_command(tree: Path) -> tuple[list[str], dict]:
+    """How to run another tree's gkbuild with this venv's packages: ``-S`` keeps this venv's
+    editable install of the working tree off the path, PYTHONPATH puts the tree first."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{sysconfig.get_paths()['purelib']}"}
+    return [sys.executable, "-S", "-m", "gkbuild"], env
+
+
+def compare_trees(a: argparse.Namespace) -> None:
+    """Golden + verify of the working tree ("new") and ``--base`` ("base") at each layer count, one
+    after the other in alternating order, on one checkpoint and one build (made by the new tree)."""
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    os.environ["GKBUILD_CACHE"] = str(d / "cache")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base_gk, base_env = base_command(Path(a.base).resolve())
+    trees = {"base": (base_gk, base_env), "new": ([GK], dict(os.environ))}
+    T = a.prompt_len + a.steps
+    print(f"{a.prompts} prompts x {T} positions, FP8 e4m3 KV; {os.cpu_count()} cores; base {a.base}")
+    print("| tree | run | layers | wall | CPU | peak RSS | load before / after |")
+    print("|---|---|---|---|---|---|---|")
+    got: dict = {}
+    for n, L in enumerate(a.layers):
+        order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
+        ck, out = d / f"ck{L}", d / f"build{L}"
+        run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
+        for tree in order:
+            cmd, env = trees[tree]
+            m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
+                               str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
+                               "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL, env=env, cwd=d)
+            got[tree, "golden", L] = m
+            print(f"| {tree} | golden | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
+                  f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
+             str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+        # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
+        # cache), which would fall on whichever tree goes first
+        run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
+            stdout=subprocess.DEVNULL)
+        for tree in order * a.repeat:
+            cmd, env = trees[tree]
+            with open(d / f"verify-{tree}{L}.json", "w") as f:
+                m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
+                                   "-q"], stdout=f, env=env, cwd=d)
+            if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
+                got[tree, "verify", L] = m  # of repeats, the one with the least CPU
+            rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
+            print(f"| {tree} | verify | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
+                  f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+            print(f"|  | verify {L} layers ({tree}): ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, worst expert "
+                  f"{max(rep['experts']['worst_by_layer']):.1e} of {rep['experts']['checked']}, tail "
+                  f"{rep['tail']['norm_error']:.1e} / {rep['tail']['lm_head_error']:.1e}, local error (worst) "
+                  f"{max(rep['layer_local_errors']):.1e} | | | | | |", flush=True)
+            if "stages" in rep:
+                print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
+                                                  for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
+        from safetensors.torch import load_file
+
+        gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
+        diff = {k: float((gb[k].double() - gn[k].double()).abs().max()) for k in gb}
+        print(f"|  | goldens at {L} layers: tokens equal {bool((gb['token_ids'] == gn['token_ids']).all())}, largest "
+              f"difference {max(diff.values()):.1e} ({max(diff, key=diff.get)}) | | | | | |", flush=True)
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    if len(a.layers) < 2:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden + verify):")
+    total = {}
+    for tree in ("base", "new"):
+        for what in ("wall", "cpu"):
+            total[tree, what] = 0.0
+            for kind in ("golden", "verify"):
+                c, sl = fit(a.layers, [got[tree, kind, L][what] for L in a.layers])
+                total[tree, what] += c + sl * MODEL_LAYERS
+                print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> "
+                      f"{(c + sl * MODEL_LAYERS) / 60:.1f} min")
+        print(f"- {tree}: golden + verify at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
+              f"CPU {total[tree, 'cpu'] / 60:.1f} min; peak RSS "
+              + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}"
+                          for k in ("golden", "verify") for L in a.layers))
+    print(f"- new / base: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
+          f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
@@ -45,7 +138,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--resume", action="store_true", help="keep the measurements and files already in --dir")
+    ap.add_argument("--base", help="another gkbuild tree to run beside this one, alternating (issue 28)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --base: verify pairs a layer count (the least CPU kept)")
     a = ap.parse_args()
+    if a.base:
+        return compare_trees(a)
     d = Path(a.dir)
     if not a.resume:
         shutil.rmtree(d, ignore_errors=True)

@@ -33,7 +33,9 @@ The report names the first layer that departs on its own, or the tail's part.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -63,6 +65,23 @@ NOISE_FLOOR = {"max": 1e-3, "median": 1e-5}
 BLAME_FACTOR = 10
 EXPERT_TOL = 1e-4  # relative error of an expert's output on a probe row (faithful: ~1e-7)
 TAIL_TOL = 1e-4  # relative error of the final norm's output and of the logits from it (faithful: ~1e-7)
+
+
+class Clock:
+    """Wall and CPU seconds (the whole process: every thread) spent in each named stage."""
+
+    def __init__(self):
+        self.spent: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            d = self.spent.setdefault(name, {"wall": 0.0, "cpu": 0.0})
+            d["wall"] += time.perf_counter() - wall
+            d["cpu"] += time.process_time() - cpu
 
 
 def tier(golden: KvFormat, build: KvFormat, loose: bool = False) -> str:
@@ -132,6 +151,7 @@ class Report:
     unmodeled: list[str] = field(default_factory=list)  # compiled-in kernel switches the twins do not model
     prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
     unjudged: int = 0  # positions left unjudged: from a true tie of the reference a compiled program cannot be steered at
+    stages: dict = field(default_factory=dict)  # {stage: {"wall": s, "cpu": s}} where the verify's time went
 
     @property
     def too_many_forced(self) -> bool:
@@ -186,6 +206,7 @@ class Report:
                 "position_errors": self.position_errors, "router_margin": self.router_margin, "texts": self.texts,
                 "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "positions_unjudged": self.unjudged,
+                "stages": {k: {"wall": round(v["wall"], 3), "cpu": round(v["cpu"], 3)} for k, v in self.stages.items()},
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -194,10 +215,10 @@ class Report:
 
 def compare_position(ours: torch.Tensor, ref: torch.Tensor, tol: dict, div_tol: float) -> tuple[bool, str, dict]:
     """One sequence position: (ok, top-1 verdict exact/near/wrong, max error per tier)."""
-    order = torch.argsort(ref, descending=True, stable=True)
+    order = leading(ref, max((k for k in tol if k is not None), default=0))
     errs, ok = {}, True
     for k, (atol, rtol) in tol.items():
-        idx = order if k is None else order[:k]
+        idx = slice(None) if k is None else order[:k]
         diff = (ours[idx] - ref[idx]).abs()
         errs[k] = float(diff.max())
         ok &= bool((diff <= atol + rtol * ref[idx].abs()).all())
@@ -209,6 +230,19 @@ def compare_position(ours: torch.Tensor, ref: torch.Tensor, tol: dict, div_tol: 
     else:
         verdict, ok = "wrong", False
     return ok, verdict, errs
+
+
+def leading(ref: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` indices of ``ref``'s stable descending sort (ties in index order), without
+    sorting the whole vocabulary: the top-k's k-th value bounds them, so only those above it and the
+    lowest-indexed ties at it are sorted (a 201,088-entry sort a position was most of compare's time)."""
+    if k >= ref.numel() or torch.isnan(ref).any():  # NaN: the full sort's own placement
+        return torch.argsort(ref, descending=True, stable=True)[:k]
+    edge = torch.topk(ref, k).values[-1]
+    above = torch.nonzero(ref > edge).flatten()
+    ties = torch.nonzero(ref == edge).flatten()[:k - len(above)]
+    chosen = torch.cat([above, ties]).sort().values  # index order, so the stable sort keeps ties so
+    return chosen[torch.argsort(ref[chosen], descending=True, stable=True)]
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 0,
@@ -311,14 +345,17 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
 
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     fmt = build_kv(m)
+    clock = Clock()
     if golden is None:
         from .kernels.driver import check_run
 
         def fits(positions: int) -> None:  # a run the build cannot hold is refused before any model work
             check_run(m, build.kv_layout(), batch, positions)
-        g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet, fits)
+        with clock.stage("golden"):
+            g = _golden_for(m, fmt, texts, chat, prompts or min(4, batch), prompt_len, steps, device, quiet, fits)
     else:
-        g = golden if isinstance(golden, Golden) else Golden.load(golden)
+        with clock.stage("golden"):
+            g = golden if isinstance(golden, Golden) else Golden.load(golden)
         want = checkpoint_hash(m["source"]["files"])
         if not other_checkpoint and g.meta.get("checkpoint_sha256") not in (None, want):
             raise GkError(f"{golden}: the golden was made from another checkpoint than this build's source "
@@ -340,17 +377,21 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     heap.reuse_large_blocks()
     try:
         if prefill is None and engine == "twin":
-            ours, facts, t0 = *_replay(build, g, batch, engine, device, quiet), 0
+            ours, facts, t0 = *_replay(build, g, batch, engine, device, quiet, clock), 0
         else:
-            ours, facts, t0 = _stepwise(build, g, batch, engine, device, quiet, prefill)
+            ours, facts, t0 = _stepwise(build, g, batch, engine, device, quiet, clock, prefill)
     finally:
         build.close()
-    rep = compare(ours, g.logits, kv, steps_from=t0, skip=None if facts.unjudged is None else facts.unjudged[..., -1])
-    rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
-    rep.prefilled = t0
-    _judge(rep, g, facts, kv)
-    rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
+    with clock.stage("compare"):
+        rep = compare(ours, g.logits, kv, steps_from=t0,
+                      skip=None if facts.unjudged is None else facts.unjudged[..., -1])
+        rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
+        rep.prefilled = t0
+        _judge(rep, g, facts, kv)
+    with clock.stage("texts"):
+        rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
     rep.unmodeled = unmodeled_switches(m)
+    rep.stages = clock.spent
     return rep
 
 
@@ -417,7 +458,7 @@ class _Facts:
     unjudged: torch.Tensor | None = None
 
 
-def _replay(build, g, batch: int, engine: str, device: str, quiet: bool):
+def _replay(build, g, batch: int, engine: str, device: str, quiet: bool, clock: Clock):
     """The twins, layer-major (``kernels.replay``): logits [P, T, V] and the facts."""
     from .kernels.driver import Session
     from .kernels.replay import FREE, Replay, live_rows
@@ -425,29 +466,34 @@ def _replay(build, g, batch: int, engine: str, device: str, quiet: bool):
     P, T = g.token_ids.shape
     L = g.hidden.shape[1]
     m = build.manifest
-    session = Session(build, batch, max_len=T, compact_kv=True, kv=False)
-    rp = Replay(session, live_rows(batch, m["topology"]["dp"], P), T, device)
+    with clock.stage("open"):
+        session = Session(build, batch, max_len=T, compact_kv=True, kv=False)
+        rp = Replay(session, live_rows(batch, m["topology"]["dp"], P), T, device)
     E = m["model"]["num_local_experts"]
     f = _empty_facts(P, T, L, g, local=True)
     per_layer = lambda i: (1 if i == 0 else 2) * T + E  # noqa: E731 - progress units of layer i
     with steps_bar("verify", sum(per_layer(i) for i in range(L)) + T, quiet) as advance:
-        rp.embed(g.token_ids.T)
+        with clock.stage("embed"):
+            rp.embed(g.token_ids.T)
         for i in range(L):
             ref_in = None if i == 0 else g.hidden[:, i - 1].transpose(0, 1)  # [T, P, H]
-            out = rp.layer(i, ref_in, g.routing[:, i].transpose(0, 1), g.router_gap[:, i].T, g.expert_inputs, TIE,
-                           advance)
+            with clock.stage("layers"):
+                out = rp.layer(i, ref_in, g.routing[:, i].transpose(0, 1), g.router_gap[:, i].T, g.expert_inputs,
+                               TIE, advance)
             ref = g.hidden[:, i].transpose(0, 1)
             # the last stream is the layer on the reference's input (layer 0: its input is the embedding either way)
             f.errors[..., i], f.local[..., i] = relative(out.hidden[FREE], ref).T, relative(out.hidden[-1], ref).T
             f.departed[..., i], f.local_departed[..., i] = out.departed[FREE].T, out.departed[-1].T
             f.forced[..., i] = out.taken[FREE].T
             f.probes[i] = out.probes
-        logits = rp.tail(advance)  # [T, P, V]
-    f.norm, f.lm_head = _tail_check(session, g)
+        with clock.stage("tail"):
+            logits = rp.tail(advance)  # [T, P, V]
+    with clock.stage("tail check"):
+        f.norm, f.lm_head = _tail_check(session, g)
     return logits.transpose(0, 1), f
 
 
-def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefill=None):
+def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, clock: Clock, prefill=None):
     """Decode steps as a runtime drives them (the compiled programs, world size 1, or the twins after
     a DI prefill): logits [P, T, V], the facts (no local stream: a step runs every layer at once)
     and the first position decoded (N-1 after a prefill, else 0)."""
@@ -463,15 +509,17 @@ def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefi
     rows = live_rows(batch, build.manifest["topology"]["dp"], P)
     pick = torch.zeros(batch, dtype=torch.int64)  # the rows without a sequence run sequence 0's tokens
     pick[rows] = torch.arange(P)
-    session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
+    with clock.stage("open"):
+        session = Session(build, batch, max_len=T, engine=engine, compact_kv=True)
     t0 = 0
     if prefill is not None:
         from .di.decode import pull
 
-        t0 = pull(build, session, g.token_ids[:, :g.prompt_len].tolist(), pick, prefill, quiet)
+        with clock.stage("prefill"):
+            t0 = pull(build, session, g.token_ids[:, :g.prompt_len].tolist(), pick, prefill, quiet)
     ours = torch.zeros(P, T, g.logits.shape[-1])
     f = _empty_facts(P, T, L, g, local=False)
-    with steps_bar("verify", (T - t0) * L, quiet) as advance:
+    with clock.stage("steps"), steps_bar("verify", (T - t0) * L, quiet) as advance:
         for t in range(t0, T):
             guide = RoutingGuide(g.routing[pick, :, t].transpose(0, 1), g.router_gap[pick, :, t].T, TIE)
             res = session.step(g.token_ids[pick, t], collect_hiddens=True, guide=guide,
@@ -485,9 +533,11 @@ def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, prefi
         after = (at.cumsum(1) - at.int()) > 0  # [P, T]: a later position of that sequence
         # the tie's layer and those above it, and through the KV every later position of the sequence
         f.forced, f.unjudged = tie, tie.cummax(-1).values | after[..., None]  # every tie counts against the cap
-    for i in range(L):
-        f.probes[i] = probe_experts(session, i, g.expert_inputs)
-    f.norm, f.lm_head = _tail_check(session, g)
+    with clock.stage("probes"):
+        for i in range(L):
+            f.probes[i] = probe_experts(session, i, g.expert_inputs)
+    with clock.stage("tail check"):
+        f.norm, f.lm_head = _tail_check(session, g)
     return ours, f, t0
 
 

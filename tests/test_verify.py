@@ -52,6 +52,24 @@ def test_tiny_builds_pass_tightly(tmp_path, tiny_golden, tiny_golden_fp8, sets):
     assert len(rep.steps) == 20 and rep.steps[-1].step == 19  # 4 prompt + 16 decode positions
     assert rep.max_abs_err <= 0.05 and rep.min_cosine > 0.9999
     assert rep.routing_forced <= 0.02 * rep.routing_total
+    stages = rep.to_dict()["stages"]  # where the time went, for --json
+    assert {"golden", "open", "embed", "layers", "tail", "tail check", "compare", "texts"} <= set(stages), stages
+    assert all(v["wall"] >= 0 and v["cpu"] >= 0 for v in stages.values()) and stages["layers"]["cpu"] > 0
+
+
+def test_leading_is_the_stable_sorts_first_k():
+    """compare's top-k sets without sorting the vocabulary: the same indices, in the same order, as a
+    stable descending sort, ties (at the k-th value too) in index order."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        ref = torch.randint(0, 12, (n,), generator=g).float() if trial % 2 else torch.randn(n, generator=g)
+        if trial % 5 == 0:
+            ref[::3] = float("-inf")
+        if trial % 11 == 0:
+            ref[1::7] = float("nan")
+        for k in (1, 5, 50, 1000, 5000):
+            assert torch.equal(verify.leading(ref, k), torch.argsort(ref, descending=True, stable=True)[:k]), (trial, k)
 
 
 def test_a_golden_of_another_kv_format_is_refused_unless_loose(tmp_path, tiny_golden):
@@ -132,7 +150,7 @@ def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_p
         rep = verify.run(out, golden=golden)
         assert rep.ok and rep.kv == "tight", (sets, rep.to_dict())
         assert len(rep.steps) == 8
-        reports[" ".join(sets)] = rep.to_dict()
+        reports[" ".join(sets)] = {k: v for k, v in rep.to_dict().items() if k != "stages"}  # all but timings
     first = next(iter(reports.values()))
     assert all(r == first for r in reports.values()), reports
 

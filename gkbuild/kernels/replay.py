@@ -40,20 +40,42 @@ def _reachable(c: decode.Control, block: int) -> decode.Control:
     return dataclasses.replace(c, block_table=c.block_table[:, :full], block_table_swa=c.block_table_swa[:, :swa])
 
 
-class _Layer:
-    """A stacked per-layer tensor seen at one layer, converted to float32 once (attention indexes
-    its weights by layer at every position)."""
+class Shared:
+    """What emulated ranks compute alike within one layer, made once: a value is keyed by the
+    memory it is made from, so ranks that map the same shard bytes (the 16 DP replicas of a TP
+    shard, every EP rank's copy of the router) share it, and a rank with bytes of its own (a damaged
+    shard) still gets its own."""
 
-    def __init__(self, stacked: torch.Tensor, i: int):
-        self.shape, self.i, self.value = stacked.shape, i, stacked[i].float()
+    def __init__(self):
+        self._values: dict = {}
+
+    def get(self, key, make):
+        if key not in self._values:
+            self._values[key] = make()
+        return self._values[key]
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+    def float(self, t: torch.Tensor) -> torch.Tensor:
+        return self.get(("float", self.key(t)), t.float)
+
+
+class _Layer:
+    """A stacked per-layer tensor seen at one layer, converted to float32 on first use, once for
+    the ranks that share its bytes (attention indexes its weights by layer at every position)."""
+
+    def __init__(self, stacked: torch.Tensor, i: int, shared: Shared):
+        self.shape, self.i, self._stacked, self._shared = stacked.shape, i, stacked, shared
 
     def __getitem__(self, j: int) -> torch.Tensor:
         assert j == self.i, (j, self.i)
-        return self.value
+        return self._shared.float(self._stacked[j])
 
 
-def _at_layer(t: dict, i: int) -> dict:
-    return {**t, **{k: _Layer(t[k], i) for k in ("W_qkv", "bias_qkv", "sink")}}
+def _at_layer(t: dict, i: int, shared: Shared) -> dict:
+    return {**t, **{k: _Layer(t[k], i, shared) for k in ("W_qkv", "bias_qkv", "sink")}}
 
 
 def to_kernel(h: torch.Tensor, hp: int) -> torch.Tensor:
@@ -172,13 +194,15 @@ class Replay:
         guide = decode.RoutingGuide(experts, gaps, tie)  # every EP rank routes with it; rank 0 records
         probe_k = self.to_kernel(probe)
         probes: dict = {}
+        shared = Shared()
 
         def fn(r, comm):
-            t, sc = _at_layer(self.s.tensors[r], i), self.s.scalars[r]
+            t, sc = _at_layer(self.s.tensors[r], i, shared), self.s.scalars[r]
             replica = r // self.tp
             lr = self.live_in_replica[replica]
-            ln1 = t["input_layernorm_weight"][i].float()
-            w_out, b_out = t["W_out"][i].float(), t["bias_out"][i].float()
+            if len(lr):  # a replica without a live row only takes part in the collectives
+                ln1 = shared.float(t["input_layernorm_weight"][i])
+                w_out, b_out = shared.float(t["W_out"][i]), shared.float(t["bias_out"][i])
             for s in range(S):
                 kv = self.kv[s][r]
                 for a in kv.allocations:
@@ -195,7 +219,9 @@ class Replay:
                     if r == 0:
                         advance(1, f"layer {i + 1}/{self.L}, position {pos + 1}/{self.T}")
             M = comm.all_gather(torch.cat([self.x[r][s].reshape(-1, self.hp) for s in range(S)]), "ep")
-            xn = decode.rms_norm(M[sel], t["post_attn_layernorm_weight"][i].float(), sc.eps, sc.hidden_actual)
+            gamma = t["post_attn_layernorm_weight"][i]
+            xn = shared.get(("moe input", id(M), Shared.key(gamma), sc.eps, sc.hidden_actual),
+                            lambda: decode.rms_norm(M[sel], shared.float(gamma), sc.eps, sc.hidden_actual))
             probe_ = decode.Probe(probe_k)
             out = decode.experts(t, i, xn, sc, guide, probe=probe_)
             del xn
