@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import zipfile
 from pathlib import Path
 
@@ -47,15 +46,11 @@ from ..pipeline.state import key
 from ..progress import warn
 from ..publish import codec, index
 from ..s3 import Conflict
+from .cache_entries import FORMAT, KEY as _KEY, MAX_ENTRY, VERSION, entries, entry_name, make_entry, parse_entry
 
-FORMAT, VERSION = "gkbuild-compile-cache", 2
 MAGIC = b"gkbuild-compile-cache/2 "
 MAX_HEADER = 4096
-ENTRIES = "compile"
-MAX_ENTRY = 1 << 20
-MAX_ARTIFACT = 64 << 30  # a NEFF of the full model is a few GB
 ENV, ENV_PUSH = "GKBUILD_COMPILE_CACHE", "GKBUILD_COMPILE_CACHE_PUSH"
-_KEY = re.compile(r"^[0-9a-f]{64}$")
 # gkbuild's own code a program is traced through: a change here is a new program even under the
 # same gkbuild version.
 KERNEL_SOURCES = {"inductor": ("kernels/*.py", "compile/programs.py", "compile/signature.py", "compile/inductor.py"),
@@ -88,42 +83,10 @@ def program_key(plan, sig, compiler: dict, flags: list[str], kernel: dict | None
                plan.tail if sig.program == "tail" else None, kernel_revision(r.backend, kernel), __version__)
 
 
-def entry_name(k: str) -> str:
-    if not isinstance(k, str) or not _KEY.match(k):
-        raise GkError(f"compile cache: {str(k)[:80]!r} is not a compile key (64 hex digits)")
-    return f"{ENTRIES}/{k}.json"
-
-
 def header(k: str, program: str, size: int, sha256: str) -> bytes:
     """The line a blob starts with: what it is the program of."""
     return MAGIC + json.dumps({"key": k, "program": program, "size": size, "sha256": sha256},
                               sort_keys=True).encode() + b"\n"
-
-
-def make_entry(k: str, program: str, artifact: dict, encoding: str, stored_size: int, blob_sha: str) -> dict:
-    """``artifact``: format, target, compiler, flags, size, sha256 (as in the manifest);
-    ``blob_sha``: the sha256 of the blob's content (header and artifact)."""
-    a = {f: artifact[f] for f in ("format", "target", "compiler", "flags", "size", "sha256")}
-    a.update(encoding=encoding, stored_size=stored_size, blob_sha256=blob_sha, blob=index.blob_name(blob_sha, encoding))
-    return {"format": FORMAT, "version": VERSION, "key": k, "program": program, "artifact": a}
-
-
-def parse_entry(data: bytes, where: str, k: str | None = None) -> dict:
-    """An entry, checked: format, version, key (the one asked for), sizes, hash and blob name."""
-    e = index.load_versioned(data, where, FORMAT, VERSION, "compile-cache entry")
-    a = e.get("artifact")
-    ok = (isinstance(e.get("key"), str) and _KEY.match(e["key"]) and isinstance(e.get("program"), str)
-          and isinstance(a, dict) and all(isinstance(a.get(f), str) and _KEY.match(a[f]) for f in ("sha256", "blob_sha256"))
-          and a.get("encoding") in codec.EXT and isinstance(a.get("flags"), list) and isinstance(a.get("compiler"), dict)
-          and all(isinstance(a.get(f), int) and 0 <= a[f] <= MAX_ARTIFACT for f in ("size", "stored_size")))
-    if not ok:
-        raise GkError(f"{where}: malformed compile-cache entry")
-    if a.get("blob") != index.blob_name(a["blob_sha256"], a["encoding"]):
-        raise GkError(f"{where}: names blob {a.get('blob')!r}, expected "
-                      f"{index.blob_name(a['blob_sha256'], a['encoding'])}")
-    if k is not None and e["key"] != k:
-        raise GkError(f"{where}: is the entry of key {e['key'][:16]}, not {k[:16]}")
-    return e
 
 
 def check_artifact(path: Path, fmt: str, program: str) -> None:
@@ -311,19 +274,6 @@ class _Unwrap:
         self.sha.update(data)
         self.out.write(data)
         return n
-
-
-def entries(store) -> list[dict]:
-    """Every entry in a cache store (malformed ones reported as such, not trusted)."""
-    out = []
-    for name in sorted(store.list(ENTRIES)):
-        k = name[len(ENTRIES) + 1:].removesuffix(".json")
-        try:
-            raw = store.get(name, MAX_ENTRY)
-            out.append(parse_entry(raw or b"", f"{store.uri}/{name}", k))
-        except GkError as e:
-            out.append({"key": k, "error": str(e)})
-    return out
 
 
 def prune(store, keep: set[str] | None = None) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ..checkpoint import hub
+from ..compile.cache_entries import entries
 from ..jsonio import open_regular, read_bounded
 from ..paths import create as open_new, file_lock, inside
 from ..pipeline.state import write_bytes_atomic
@@ -72,8 +73,6 @@ MAX_INDEX = 256 << 20  # a publish index lists a few thousand files; a bigger on
 def live_blobs(store, index: bytes | None) -> set[str]:
     """The blobs a store must keep: those ``index`` (its publish index) names and those its compile
     cache's entries name (a cache and a build may share one store: neither prunes the other's)."""
-    from ..compile.cache import entries
-
     keep = blobs(parse(index, NAME)) if index is not None else set()
     return keep | {e["artifact"]["blob"] for e in entries(store) if "artifact" in e}
 
