@@ -1,10 +1,61 @@
-"""Run a command and report its wall time and peak RSS (of that process tree's largest member)."""
+"""Run a command and report its wall time and peak RSS (of that process tree's largest member);
+the benches' scratch folder (``scratch``, ``dir_arg``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
+
+MARK = ".gkbench-scratch"  # written by ``scratch`` in each folder it makes: only such a folder is emptied
+
+
+def dir_arg(ap, default: str) -> None:
+    """The benches' ``--dir``: their scratch folder (see ``scratch``)."""
+    ap.add_argument("--dir", default=default,
+                    help=f"scratch folder for the bench's files (default {default}); one that exists and is not "
+                         f"empty is used only if a bench made it (it carries {MARK}), else refused, never emptied")
+
+
+@contextlib.contextmanager
+def scratch(path, cache: str | None = "cache", resume: bool = False, remove: bool = True):
+    """The folder ``path``, fresh, for a bench's files; GKBUILD_CACHE set to ``path/cache`` (``cache``
+    names another sub-folder; None leaves the environment alone).
+
+    No file the bench did not write is deleted: a path that exists and is not an empty folder or one
+    that carries ``MARK`` (which only this helper writes) is refused: one line, exit status 1.
+    A marked folder is emptied first (kept as it is with ``resume``). At the end (not after an error,
+    so a failed run's files can be looked at or resumed) the folder is removed if it is ours: made
+    now or marked by an earlier run; an empty folder the user made is emptied, and left. ``remove=False``
+    keeps it all."""
+    d = Path(path).expanduser()
+    ours = not os.path.lexists(d)
+    if not ours:
+        if d.is_symlink() or not d.is_dir():
+            sys.exit(f"bench: --dir {d}: not a folder (or a symbolic link); pass a new or empty folder")
+        ours = (d / MARK).is_file()
+        if not ours and any(d.iterdir()):
+            sys.exit(f"bench: --dir {d}: not empty and not made by a bench (no {MARK}); refusing to touch it: "
+                     f"pass a new or empty folder")
+        if ours and not resume:
+            for p in d.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / MARK).write_text("made by a gkbuild bench: it empties and removes this folder\n")
+    if cache is not None:
+        os.environ["GKBUILD_CACHE"] = str(d / cache)
+    yield d
+    if not remove:
+        return
+    if ours:
+        shutil.rmtree(d, ignore_errors=True)
+    else:  # the user's empty folder: everything in it is the bench's
+        for p in d.iterdir():
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
 def run(cmd: list[str], **kw) -> tuple[float, int]:
@@ -96,15 +147,9 @@ def median(xs: list[float]) -> float:
 
 def build_120b(d, layers: int, gk: str, root) -> tuple:
     """The gpt-oss-120b trn2 recipe on synth://gpt-oss-120b?layers=N, built with --no-compile into
-    ``d/build`` in a fresh folder ``d`` (GKBUILD_CACHE set to ``d/cache``), the synthesized
+    ``d/build`` in ``d``, a fresh ``scratch`` folder (GKBUILD_CACHE set to ``d/cache``), the synthesized
     checkpoint removed after; returns (build folder, bytes of the build)."""
-    import shutil
-    from pathlib import Path
-
     d = Path(d)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
     build = d / "build"
     from gkbuild.checkpoint.source import parse, synth_cache_dir
 

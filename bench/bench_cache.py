@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import dir_arg, scratch  # noqa: E402
 from tests.s3server import moto_server  # noqa: E402
 
 
@@ -38,29 +40,26 @@ def demo(clone: Path, env: dict) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/gkbench-cache")
+    dir_arg(ap, "/tmp/gkbench-cache")
     a = ap.parse_args()
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    clone = d / "clone"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-    subprocess.run(["make", "install"], cwd=clone, check=True, capture_output=True)
-    env = dict(os.environ, GKBUILD_CACHE=str(d / "gkcache"), COLUMNS="200")
-    with moto_server() as url:
-        import boto3
+    with scratch(a.dir, cache=None) as d:
+        clone = d / "clone"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        subprocess.run(["make", "install"], cwd=clone, check=True, capture_output=True)
+        env = dict(os.environ, GKBUILD_CACHE=str(d / "gkcache"), COLUMNS="200")
+        with moto_server() as url:
+            import boto3
 
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket="gk-cache")
-        env.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})
-        env["GKBUILD_COMPILE_CACHE"] = "s3://gk-cache/demo"
-        cold = demo(clone, dict(env, GKBUILD_COMPILE_CACHE_PUSH="1"))
-        shutil.rmtree(clone / "artifacts" / "tiny-cpu")
-        warm = demo(clone, env)
-    print("| make demo on a fresh clone | compile stage | whole make demo |\n|---|---|---|")
-    print(f"| cold (compiles, pushes to the cache) | {cold[1]:.2f} s | {cold[0]:.2f} s |")
-    print(f"| warm cache (s3://, moto on 127.0.0.1) | {warm[1]:.2f} s | {warm[0]:.2f} s |")
-    print(f"| ratio warm / cold | {warm[1] / cold[1]:.3f}x | {warm[0] / cold[0]:.3f}x |")
-    shutil.rmtree(d, ignore_errors=True)
+            boto3.client("s3", endpoint_url=url).create_bucket(Bucket="gk-cache")
+            env.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})
+            env["GKBUILD_COMPILE_CACHE"] = "s3://gk-cache/demo"
+            cold = demo(clone, dict(env, GKBUILD_COMPILE_CACHE_PUSH="1"))
+            shutil.rmtree(clone / "artifacts" / "tiny-cpu")
+            warm = demo(clone, env)
+        print("| make demo on a fresh clone | compile stage | whole make demo |\n|---|---|---|")
+        print(f"| cold (compiles, pushes to the cache) | {cold[1]:.2f} s | {cold[0]:.2f} s |")
+        print(f"| warm cache (s3://, moto on 127.0.0.1) | {warm[1]:.2f} s | {warm[0]:.2f} s |")
+        print(f"| ratio warm / cold | {warm[1] / cold[1]:.3f}x | {warm[0] / cold[0]:.3f}x |")
 
 
 if __name__ == "__main__":

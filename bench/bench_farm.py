@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import dir_arg, scratch  # noqa: E402
 from tests.raycluster import members, ray_cluster  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -72,44 +73,40 @@ def farm(cache: Path, executor: str, env: dict, extra_cpu=lambda: 0.0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/gkbench-farm")
+    dir_arg(ap, "/tmp/gkbench-farm")
     a = ap.parse_args()
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    env = dict(os.environ, GKBUILD_CACHE=str(d / "gkcache"), RAY_USAGE_STATS_ENABLED="0")
-    os.environ.update(GKBUILD_CACHE=env["GKBUILD_CACHE"])
-    cores = os.cpu_count() or 1
-    seq = farm(d / "seq", "local", env)
-    t = time.perf_counter()
-    with ray_cluster(nodes=1, cpus=cores, memory_gib=4 * cores) as c:
-        started = time.perf_counter() - t
-        renv = dict(env, RAY_ADDRESS=c["gcs"])
-        ray = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
-        warm = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
-    n = len(seq["report"]["jobs"])
-    assert n == 8 and seq["report"]["compiled"] == 8 and ray["report"]["compiled"] == 8, (seq, ray)
-    assert warm["report"]["cached"] == 8
-    same = all(a_["sha256"] == b["sha256"] for a_, b in zip(seq["report"]["jobs"], ray["report"]["jobs"]))
+    with scratch(a.dir, cache="gkcache") as d:
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        cores = os.cpu_count() or 1
+        seq = farm(d / "seq", "local", env)
+        t = time.perf_counter()
+        with ray_cluster(nodes=1, cpus=cores, memory_gib=4 * cores) as c:
+            started = time.perf_counter() - t
+            renv = dict(env, RAY_ADDRESS=c["gcs"])
+            ray = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
+            warm = farm(d / "ray", "ray", renv, lambda: cluster_cpu(c["procs"]))
+        n = len(seq["report"]["jobs"])
+        assert n == 8 and seq["report"]["compiled"] == 8 and ray["report"]["compiled"] == 8, (seq, ray)
+        assert warm["report"]["cached"] == 8
+        same = all(a_["sha256"] == b["sha256"] for a_, b in zip(seq["report"]["jobs"], ray["report"]["jobs"]))
 
-    def over(r: dict, slots: int) -> float:
-        return (slots * r["wall"] - r["job_seconds"]) / n
+        def over(r: dict, slots: int) -> float:
+            return (slots * r["wall"] - r["job_seconds"]) / n
 
-    print("| run | wall | jobs' own seconds (sum) | overhead a job | CPU s: this run / whole machine |")
-    print("|---|---|---|---|---|")
-    for name, r, slots in (("8 programs one after another (local, -j 1)", seq, 1),
-                           (f"8 programs on local Ray ({cores} CPUs, 1 node)", ray, cores)):
-        print(f"| {name} | {r['wall']:.1f} s | {r['job_seconds']:.1f} s | {over(r, slots):.2f} s | "
-              f"{r['ours']:.0f} / {r['machine']:.0f} |")
-    print(f"| warm cache (Ray): plan + verify 8 entries | {warm['wall']:.2f} s "
-          f"(planning {warm['report']['plan_seconds']:.2f} s) | | | {warm['ours']:.0f} / {warm['machine']:.0f} |")
-    print(f"\nRay / sequential: {ray['wall'] / seq['wall']:.2f}x; Ray cluster start (not in the farm's wall): "
-          f"{started:.1f} s; archives identical between the two runs: {same}")
-    busy = (seq["machine"] + ray["machine"]) / ((seq["wall"] + ray["wall"]) * cores)
-    others = 1 - (seq["ours"] + ray["ours"]) / max(seq["machine"] + ray["machine"], 1e-9)
-    print(f"machine busy {busy:.0%} of its {cores} cores during the two farms; other processes' share of "
-          f"that CPU: {others:.0%}; load average at the end {os.getloadavg()[0]:.1f}")
-    shutil.rmtree(d, ignore_errors=True)
+        print("| run | wall | jobs' own seconds (sum) | overhead a job | CPU s: this run / whole machine |")
+        print("|---|---|---|---|---|")
+        for name, r, slots in (("8 programs one after another (local, -j 1)", seq, 1),
+                               (f"8 programs on local Ray ({cores} CPUs, 1 node)", ray, cores)):
+            print(f"| {name} | {r['wall']:.1f} s | {r['job_seconds']:.1f} s | {over(r, slots):.2f} s | "
+                  f"{r['ours']:.0f} / {r['machine']:.0f} |")
+        print(f"| warm cache (Ray): plan + verify 8 entries | {warm['wall']:.2f} s "
+              f"(planning {warm['report']['plan_seconds']:.2f} s) | | | {warm['ours']:.0f} / {warm['machine']:.0f} |")
+        print(f"\nRay / sequential: {ray['wall'] / seq['wall']:.2f}x; Ray cluster start (not in the farm's wall): "
+              f"{started:.1f} s; archives identical between the two runs: {same}")
+        busy = (seq["machine"] + ray["machine"]) / ((seq["wall"] + ray["wall"]) * cores)
+        others = 1 - (seq["ours"] + ray["ours"]) / max(seq["machine"] + ray["machine"], 1e-9)
+        print(f"machine busy {busy:.0%} of its {cores} cores during the two farms; other processes' share of "
+              f"that CPU: {others:.0%}; load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

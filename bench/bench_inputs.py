@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import dir_arg, scratch  # noqa: E402
 
 
 def alternate(base, cand, repeat: int) -> tuple[float, float]:
@@ -46,59 +47,57 @@ def row(what: str, base_name: str, b: float, c: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--dir", default="/tmp/gkbench-inputs")
+    dir_arg(ap, "/tmp/gkbench-inputs")
     a = ap.parse_args()
-    work = Path(a.dir)
-    shutil.rmtree(work, ignore_errors=True)
-    os.environ["GKBUILD_CACHE"] = str(work / "cache")
-    from gkbuild import jsonio, recipe, text
-    from gkbuild.checkpoint import synth_tokenizer
-    from gkbuild.checkpoint.source import parse
-    from gkbuild.layout import validate
-    from gkbuild.model import preset
-    from gkbuild.pipeline.pipeline import compile_build
-    from gkbuild.runtime import Build
+    with scratch(a.dir, remove=False) as work:
+        from gkbuild import jsonio, recipe, text
+        from gkbuild.checkpoint import synth_tokenizer
+        from gkbuild.checkpoint.source import parse
+        from gkbuild.layout import validate
+        from gkbuild.model import preset
+        from gkbuild.pipeline.pipeline import compile_build
+        from gkbuild.runtime import Build
 
-    out = work / "topo"
-    compile_build(recipe.load(ROOT / "recipes" / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
-    tok_json, _ = synth_tokenizer.build(preset("gpt-oss-120b"))
-    print(f"uptime: {os.popen('uptime').read().strip()}")
-    print("| what | baseline | measured | ratio |\n|---|---|---|---|")
+        out = work / "topo"
+        compile_build(recipe.load(ROOT / "recipes" / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
+        tok_json, _ = synth_tokenizer.build(preset("gpt-oss-120b"))
+        print(f"uptime: {os.popen('uptime').read().strip()}")
+        print("| what | baseline | measured | ratio |\n|---|---|---|---|")
 
-    def old(data):
-        return lambda: jsonio.depth_problem(json.loads(data, parse_constant=jsonio._refuse_constant))
+        def old(data):
+            return lambda: jsonio.depth_problem(json.loads(data, parse_constant=jsonio._refuse_constant))
 
-    def new(data):
-        return lambda: jsonio.loads(data, "bench")
+        def new(data):
+            return lambda: jsonio.loads(data, "bench")
 
-    man = (out / "manifest.json").read_bytes()
-    row(f"(a) parse the 128-rank manifest ({len(man) >> 10} KiB)", "former reader",
-        *alternate(old(man), new(man), a.repeat))
-    tj = tok_json.encode()
-    row(f"(a) parse the 120b preset's tokenizer.json ({len(tj) >> 10} KiB)", "former reader",
-        *alternate(old(tj), new(tj), a.repeat))
+        man = (out / "manifest.json").read_bytes()
+        row(f"(a) parse the 128-rank manifest ({len(man) >> 10} KiB)", "former reader",
+            *alternate(old(man), new(man), a.repeat))
+        tj = tok_json.encode()
+        row(f"(a) parse the 120b preset's tokenizer.json ({len(tj) >> 10} KiB)", "former reader",
+            *alternate(old(tj), new(tj), a.repeat))
 
-    real = validate.kv, validate.tail
+        real = validate.kv, validate.tail
 
-    def open_build(check: bool):
-        def run():
-            validate.kv, validate.tail = real if check else (lambda doc, m, root: None, lambda doc, m, root: None)
-            b = Build.open(out, verify="none")
-            b.close()
-            validate.kv, validate.tail = real
-        return run
-    row("(b) `Build.open`, 128 ranks, layouts checked whole", "layout checks skipped",
-        *alternate(open_build(False), open_build(True), a.repeat))
+        def open_build(check: bool):
+            def run():
+                validate.kv, validate.tail = real if check else (lambda doc, m, root: None, lambda doc, m, root: None)
+                b = Build.open(out, verify="none")
+                b.close()
+                validate.kv, validate.tail = real
+            return run
+        row("(b) `Build.open`, 128 ranks, layouts checked whole", "layout checks skipped",
+            *alternate(open_build(False), open_build(True), a.repeat))
 
-    tok = text.tokenizer(parse("synth://tiny"))
-    prompt = "The capital of France is"
+        tok = text.tokenizer(parse("synth://tiny"))
+        prompt = "The capital of France is"
 
-    def in_process():
-        tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    row("(c) `text.encode(chat=True)`, one prompt, bounded forked child", "`apply_chat_template` in process",
-        *alternate(in_process, lambda: text.encode(tok, [prompt], chat=True), a.repeat))
-    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
-          f"of a render child: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB")
+        def in_process():
+            tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        row("(c) `text.encode(chat=True)`, one prompt, bounded forked child", "`apply_chat_template` in process",
+            *alternate(in_process, lambda: text.encode(tok, [prompt], chat=True), a.repeat))
+        print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
+              f"of a render child: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB")
 
 
 if __name__ == "__main__":

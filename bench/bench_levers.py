@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import run  # noqa: E402
+from _measure import dir_arg, run, scratch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -80,29 +79,25 @@ print(json.dumps(res))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/gkbench-levers")
+    dir_arg(ap, "/tmp/gkbench-levers")
     a = ap.parse_args()
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    ck, out = d / "ck", d / "build"
-    run([GK, "synth", "gpt-oss-120b", "--layers", "1", "--out", str(ck), "-q"])
-    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out", str(out),
-         "--no-compile", "-q"], stdout=subprocess.DEVNULL)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    got = {}
-    for mode in ("mmap", "heap"):
-        done = subprocess.run([sys.executable, "-c", CHILD, str(ck), str(out), mode], capture_output=True, text=True,
-                              env=env, check=True)
-        got[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; CPU seconds, median of 5")
-    print("| what (one 120b expert) | fresh mappings | heap reused |")
-    print("|---|---|---|")
-    for k, v in got["heap"].items():
-        m = got["mmap"].get(k)
-        print(f"| {k} | {'' if m is None else f'{m:.3f} s'} | {v:.3f} s |")
-    shutil.rmtree(d, ignore_errors=True)
+    with scratch(a.dir) as d:
+        ck, out = d / "ck", d / "build"
+        run([GK, "synth", "gpt-oss-120b", "--layers", "1", "--out", str(ck), "-q"])
+        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out", str(out),
+             "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        got = {}
+        for mode in ("mmap", "heap"):
+            done = subprocess.run([sys.executable, "-c", CHILD, str(ck), str(out), mode], capture_output=True, text=True,
+                                  env=env, check=True)
+            got[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; CPU seconds, median of 5")
+        print("| what (one 120b expert) | fresh mappings | heap reused |")
+        print("|---|---|---|")
+        for k, v in got["heap"].items():
+            m = got["mmap"].get(k)
+            print(f"| {k} | {'' if m is None else f'{m:.3f} s'} | {v:.3f} s |")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import median, run, timed  # noqa: E402
+from _measure import dir_arg, median, run, scratch, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "s3fs", "ml_dtypes", "jsonschema", "numpy")
@@ -36,58 +35,54 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--baseline", default=None, help="another gkbuild checkout to compare with")
-    ap.add_argument("--dir", default="/tmp/gkbench-noop")
+    dir_arg(ap, "/tmp/gkbench-noop")
     a = ap.parse_args()
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
-    args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(d / "build"), "--json",
-            "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
+    with scratch(a.dir) as d:
+        trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
+        args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(d / "build"), "--json",
+                "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
 
-    def gk(tree: Path, *extra: str) -> tuple[list[str], dict]:
-        return [sys.executable, *extra, "-m", "gkbuild", *args], {"cwd": tree, "env": dict(os.environ, PYTHONPATH=str(tree))}
+        def gk(tree: Path, *extra: str) -> tuple[list[str], dict]:
+            return [sys.executable, *extra, "-m", "gkbuild", *args], {"cwd": tree, "env": dict(os.environ, PYTHONPATH=str(tree))}
 
-    for tree in trees.values():  # the build (synthesizing the source), then each tree's first no-op
-        for _ in range(2):
-            cmd, kw = gk(tree)
-            run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
-    runs = list(trees) + ["bare interpreter"]
-    res: dict[str, list[tuple[float, float]]] = {r: [] for r in runs}
-    loads = []
-    for r in range(a.repeat):
-        for name in runs[r % len(runs):] + runs[:r % len(runs)]:
-            if name == "bare interpreter":
-                wall, cpu, _, _ = timed([sys.executable, "-c", "pass"])
-            else:
-                cmd, kw = gk(trees[name])
-                wall, cpu, out, _ = timed(cmd, **kw)
-                if json.loads(out)["did_work"]:
-                    raise SystemExit(f"{name}: the no-op did work: {out}")
-            res[name].append((wall, cpu))
-        loads.append(os.getloadavg()[0])
-    cmd, kw = gk(ROOT, "-X", "importtime")
-    imp = subprocess.run(cmd, capture_output=True, text=True, **kw).stderr
-    rows = [(int(m.group(2)), m.group(3).strip()) for m in re.finditer(r"import time:\s+(\d+) \|\s+(\d+) \|(.*)", imp)]
-    top = sorted((r for r in rows if not r[1].startswith(" ")), reverse=True)[:6]
-    heavy = sorted({name.strip().split(".")[0] for _, name in rows} & set(HEAVY))
-    print(f"{a.repeat} alternating rounds, medians; load average (1 min) after each round: "
-          f"{', '.join(f'{x:.1f}' for x in loads)}\n")
-    print("| run | wall | CPU s | wall by round |")
-    print("|---|---|---|---|")
-    for name in runs:
-        what = f"no-op compile, {name}" if name in trees else "bare interpreter (`python -c pass`)"
-        walls = [w for w, _ in res[name]]
-        print(f"| {what} | {median(walls):.3f} s | {median([c for _, c in res[name]]):.3f} | "
-              f"{', '.join(f'{w:.2f}' for w in walls)} |")
-    if a.baseline:
-        ratio = median([w for w, _ in res["this tree"]]) / median([w for w, _ in res["baseline"]])
-        cpu = median([c for _, c in res["this tree"]]) / median([c for _, c in res["baseline"]])
-        print(f"\nthis tree / baseline: wall {ratio:.2f}x, CPU {cpu:.2f}x")
-    print("slowest top-level imports (cumulative):", ", ".join(f"{n} {us / 1e3:.0f} ms" for us, n in top))
-    print(f"heavy libraries imported: {heavy or 'none'}")
-    shutil.rmtree(d, ignore_errors=True)
+        for tree in trees.values():  # the build (synthesizing the source), then each tree's first no-op
+            for _ in range(2):
+                cmd, kw = gk(tree)
+                run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+        runs = list(trees) + ["bare interpreter"]
+        res: dict[str, list[tuple[float, float]]] = {r: [] for r in runs}
+        loads = []
+        for r in range(a.repeat):
+            for name in runs[r % len(runs):] + runs[:r % len(runs)]:
+                if name == "bare interpreter":
+                    wall, cpu, _, _ = timed([sys.executable, "-c", "pass"])
+                else:
+                    cmd, kw = gk(trees[name])
+                    wall, cpu, out, _ = timed(cmd, **kw)
+                    if json.loads(out)["did_work"]:
+                        raise SystemExit(f"{name}: the no-op did work: {out}")
+                res[name].append((wall, cpu))
+            loads.append(os.getloadavg()[0])
+        cmd, kw = gk(ROOT, "-X", "importtime")
+        imp = subprocess.run(cmd, capture_output=True, text=True, **kw).stderr
+        rows = [(int(m.group(2)), m.group(3).strip()) for m in re.finditer(r"import time:\s+(\d+) \|\s+(\d+) \|(.*)", imp)]
+        top = sorted((r for r in rows if not r[1].startswith(" ")), reverse=True)[:6]
+        heavy = sorted({name.strip().split(".")[0] for _, name in rows} & set(HEAVY))
+        print(f"{a.repeat} alternating rounds, medians; load average (1 min) after each round: "
+              f"{', '.join(f'{x:.1f}' for x in loads)}\n")
+        print("| run | wall | CPU s | wall by round |")
+        print("|---|---|---|---|")
+        for name in runs:
+            what = f"no-op compile, {name}" if name in trees else "bare interpreter (`python -c pass`)"
+            walls = [w for w, _ in res[name]]
+            print(f"| {what} | {median(walls):.3f} s | {median([c for _, c in res[name]]):.3f} | "
+                  f"{', '.join(f'{w:.2f}' for w in walls)} |")
+        if a.baseline:
+            ratio = median([w for w, _ in res["this tree"]]) / median([w for w, _ in res["baseline"]])
+            cpu = median([c for _, c in res["this tree"]]) / median([c for _, c in res["baseline"]])
+            print(f"\nthis tree / baseline: wall {ratio:.2f}x, CPU {cpu:.2f}x")
+        print("slowest top-level imports (cumulative):", ", ".join(f"{n} {us / 1e3:.0f} ms" for us, n in top))
+        print(f"heavy libraries imported: {heavy or 'none'}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import build_120b, cp_then_sync, gib, median, run  # noqa: E402
+from _measure import build_120b, cp_then_sync, dir_arg, gib, median, run, scratch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -31,43 +31,42 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/gkbench-pub")
+    dir_arg(ap, "/tmp/gkbench-pub")
     a = ap.parse_args()
-    d = Path(a.dir)
-    build, size = build_120b(d, a.layers, GK, ROOT)
-    cps, pubs, fetches, rss_pub, rss_fetch = [], [], [], 0, 0
-    for _ in range(a.repeat):
-        for p in ("copy", "store", "got"):
-            shutil.rmtree(d / p, ignore_errors=True)
-        cps.append(cp_then_sync(str(build), str(d / "copy"))[0])
-        shutil.rmtree(d / "copy")
-        t, r = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
-        pubs.append(t)
-        rss_pub = max(rss_pub, r)
-        t, r = run([GK, "fetch", str(d / "store"), "--to", str(d / "got"), "-q"])
-        fetches.append(t)
-        rss_fetch = max(rss_fetch, r)
-    again, _ = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
-    rep = json.loads(subprocess.run([GK, "publish", str(build), "--to", str(d / "store"), "--json"],
-                                    capture_output=True, text=True, check=True).stdout)
-    stored = sum(p.stat().st_size for p in (d / "store").rglob("*") if p.is_file())
-    cp = median(cps)
-    print(f"build: {a.layers} layers, {gib(size)} in {sum(1 for _ in build.rglob('*.safetensors'))} shards; "
-          f"store {gib(stored)}\n")
-    print("| step | seconds | GB/s | ratio to cp -r + sync | peak RSS |")
-    print("|---|---|---|---|---|")
-    print(f"| cp -r + sync | {cp:.2f} | {size / cp / 1e9:.2f} | 1.00x | |")
-    print(f"| publish (folder store) | {median(pubs):.2f} | {size / median(pubs) / 1e9:.2f} | "
-          f"{median(pubs) / cp:.2f}x | {gib(rss_pub)} |")
-    print(f"| fetch (verify, decompress) | {median(fetches):.2f} | {size / median(fetches) / 1e9:.2f} | "
-          f"{median(fetches) / cp:.2f}x | {gib(rss_fetch)} |")
-    print(f"| publish again (no-op) | {again:.2f} | | {again / cp:.2f}x | |")
-    print("\n| file kind | files | bytes | stored | stored/raw | zstd files |")
-    print("|---|---|---|---|---|---|")
-    for name, k in by_kind(rep["entries"]).items():
-        print(f"| {name} | {k['files']} | {k['bytes'] / 2**20:.1f} MiB | {k['stored'] / 2**20:.1f} MiB | "
-              f"{k['stored'] / k['bytes']:.3f} | {k['zstd']} |")
-    shutil.rmtree(d, ignore_errors=True)
+    with scratch(a.dir) as d:
+        build, size = build_120b(d, a.layers, GK, ROOT)
+        cps, pubs, fetches, rss_pub, rss_fetch = [], [], [], 0, 0
+        for _ in range(a.repeat):
+            for p in ("copy", "store", "got"):
+                shutil.rmtree(d / p, ignore_errors=True)
+            cps.append(cp_then_sync(str(build), str(d / "copy"))[0])
+            shutil.rmtree(d / "copy")
+            t, r = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
+            pubs.append(t)
+            rss_pub = max(rss_pub, r)
+            t, r = run([GK, "fetch", str(d / "store"), "--to", str(d / "got"), "-q"])
+            fetches.append(t)
+            rss_fetch = max(rss_fetch, r)
+        again, _ = run([GK, "publish", str(build), "--to", str(d / "store"), "-q"])
+        rep = json.loads(subprocess.run([GK, "publish", str(build), "--to", str(d / "store"), "--json"],
+                                        capture_output=True, text=True, check=True).stdout)
+        stored = sum(p.stat().st_size for p in (d / "store").rglob("*") if p.is_file())
+        cp = median(cps)
+        print(f"build: {a.layers} layers, {gib(size)} in {sum(1 for _ in build.rglob('*.safetensors'))} shards; "
+              f"store {gib(stored)}\n")
+        print("| step | seconds | GB/s | ratio to cp -r + sync | peak RSS |")
+        print("|---|---|---|---|---|")
+        print(f"| cp -r + sync | {cp:.2f} | {size / cp / 1e9:.2f} | 1.00x | |")
+        print(f"| publish (folder store) | {median(pubs):.2f} | {size / median(pubs) / 1e9:.2f} | "
+              f"{median(pubs) / cp:.2f}x | {gib(rss_pub)} |")
+        print(f"| fetch (verify, decompress) | {median(fetches):.2f} | {size / median(fetches) / 1e9:.2f} | "
+              f"{median(fetches) / cp:.2f}x | {gib(rss_fetch)} |")
+        print(f"| publish again (no-op) | {again:.2f} | | {again / cp:.2f}x | |")
+        print("\n| file kind | files | bytes | stored | stored/raw | zstd files |")
+        print("|---|---|---|---|---|---|")
+        for name, k in by_kind(rep["entries"]).items():
+            print(f"| {name} | {k['files']} | {k['bytes'] / 2**20:.1f} MiB | {k['stored'] / 2**20:.1f} MiB | "
+                  f"{k['stored'] / k['bytes']:.3f} | {k['zstd']} |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _measure import gib, run, run_cpu  # noqa: E402
+from _measure import dir_arg, gib, run, run_cpu, scratch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GK = str(Path(sys.executable).with_name("gkbuild"))
@@ -53,87 +53,82 @@ def base_command(tree: Path) -> tuple[list[str], dict]:
 def compare_trees(a: argparse.Namespace) -> None:
     """Golden + verify of the working tree ("new") and ``--base`` ("base") at each layer count, one
     after the other in alternating order, on one checkpoint and one build (made by the new tree)."""
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base_gk, base_env = base_command(Path(a.base).resolve())
-    trees = {"base": (base_gk, base_env), "new": ([GK], dict(os.environ))}
-    T = a.prompt_len + a.steps
-    print(f"{a.prompts} prompts x {T} positions, FP8 e4m3 KV; {os.cpu_count()} cores; base {a.base}")
-    print("| tree | run | layers | wall | CPU | peak RSS | load before / after |")
-    print("|---|---|---|---|---|---|---|")
-    got: dict = {}
-    for n, L in enumerate(a.layers):
-        order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
-        ck, out = d / f"ck{L}", d / f"build{L}"
-        run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-        for tree in order:
-            cmd, env = trees[tree]
-            m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
-                               str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
-                               "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL, env=env, cwd=d)
-            got[tree, "golden", L] = m
-            print(f"| {tree} | golden | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
-                  f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
-        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
-             str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
-        # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
-        # cache), which would fall on whichever tree goes first
-        run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
-            stdout=subprocess.DEVNULL)
-        for tree in order * a.repeat:
-            cmd, env = trees[tree]
-            with open(d / f"verify-{tree}{L}.json", "w") as f:
-                m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
-                                   "-q"], stdout=f, env=env, cwd=d)
-            if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
-                got[tree, "verify", L] = m  # of repeats, the one with the least CPU
-            rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
-            print(f"| {tree} | verify | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
-                  f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
-            print(f"|  | verify {L} layers ({tree}): ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, worst expert "
-                  f"{max(rep['experts']['worst_by_layer']):.1e} of {rep['experts']['checked']}, tail "
-                  f"{rep['tail']['norm_error']:.1e} / {rep['tail']['lm_head_error']:.1e}, local error (worst) "
-                  f"{max(rep['layer_local_errors']):.1e} | | | | | |", flush=True)
-            if "stages" in rep:
-                print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
-                                                  for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
-        from safetensors.torch import load_file
+    with scratch(a.dir) as d:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        base_gk, base_env = base_command(Path(a.base).resolve())
+        trees = {"base": (base_gk, base_env), "new": ([GK], dict(os.environ))}
+        T = a.prompt_len + a.steps
+        print(f"{a.prompts} prompts x {T} positions, FP8 e4m3 KV; {os.cpu_count()} cores; base {a.base}")
+        print("| tree | run | layers | wall | CPU | peak RSS | load before / after |")
+        print("|---|---|---|---|---|---|---|")
+        got: dict = {}
+        for n, L in enumerate(a.layers):
+            order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
+            ck, out = d / f"ck{L}", d / f"build{L}"
+            run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
+            for tree in order:
+                cmd, env = trees[tree]
+                m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
+                                   str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
+                                   "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL, env=env, cwd=d)
+                got[tree, "golden", L] = m
+                print(f"| {tree} | golden | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
+                      f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+            run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
+                 str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+            # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
+            # cache), which would fall on whichever tree goes first
+            run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
+                stdout=subprocess.DEVNULL)
+            for tree in order * a.repeat:
+                cmd, env = trees[tree]
+                with open(d / f"verify-{tree}{L}.json", "w") as f:
+                    m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
+                                       "-q"], stdout=f, env=env, cwd=d)
+                if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
+                    got[tree, "verify", L] = m  # of repeats, the one with the least CPU
+                rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
+                print(f"| {tree} | verify | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
+                      f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+                print(f"|  | verify {L} layers ({tree}): ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, worst expert "
+                      f"{max(rep['experts']['worst_by_layer']):.1e} of {rep['experts']['checked']}, tail "
+                      f"{rep['tail']['norm_error']:.1e} / {rep['tail']['lm_head_error']:.1e}, local error (worst) "
+                      f"{max(rep['layer_local_errors']):.1e} | | | | | |", flush=True)
+                if "stages" in rep:
+                    print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
+                                                      for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
+            from safetensors.torch import load_file
 
-        gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
-        diff = {k: float((gb[k].double() - gn[k].double()).abs().max()) for k in gb}
-        print(f"|  | goldens at {L} layers: tokens equal {bool((gb['token_ids'] == gn['token_ids']).all())}, largest "
-              f"difference {max(diff.values()):.1e} ({max(diff, key=diff.get)}) | | | | | |", flush=True)
-        shutil.rmtree(ck, ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-    if len(a.layers) < 2:
-        shutil.rmtree(d, ignore_errors=True)
-        return
-    print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden + verify):")
-    total = {}
-    for tree in ("base", "new"):
-        for what in ("wall", "cpu"):
-            total[tree, what] = 0.0
-            for kind in ("golden", "verify"):
-                c, sl = fit(a.layers, [got[tree, kind, L][what] for L in a.layers])
-                total[tree, what] += c + sl * MODEL_LAYERS
-                print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> "
-                      f"{(c + sl * MODEL_LAYERS) / 60:.1f} min")
-        print(f"- {tree}: golden + verify at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
-              f"CPU {total[tree, 'cpu'] / 60:.1f} min; peak RSS "
-              + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}"
-                          for k in ("golden", "verify") for L in a.layers))
-    print(f"- new / base: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
-          f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
-    shutil.rmtree(d, ignore_errors=True)
+            gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
+            diff = {k: float((gb[k].double() - gn[k].double()).abs().max()) for k in gb}
+            print(f"|  | goldens at {L} layers: tokens equal {bool((gb['token_ids'] == gn['token_ids']).all())}, largest "
+                  f"difference {max(diff.values()):.1e} ({max(diff, key=diff.get)}) | | | | | |", flush=True)
+            shutil.rmtree(ck, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+        if len(a.layers) < 2:
+            return
+        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden + verify):")
+        total = {}
+        for tree in ("base", "new"):
+            for what in ("wall", "cpu"):
+                total[tree, what] = 0.0
+                for kind in ("golden", "verify"):
+                    c, sl = fit(a.layers, [got[tree, kind, L][what] for L in a.layers])
+                    total[tree, what] += c + sl * MODEL_LAYERS
+                    print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> "
+                          f"{(c + sl * MODEL_LAYERS) / 60:.1f} min")
+            print(f"- {tree}: golden + verify at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
+                  f"CPU {total[tree, 'cpu'] / 60:.1f} min; peak RSS "
+                  + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}"
+                              for k in ("golden", "verify") for L in a.layers))
+        print(f"- new / base: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
+              f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--dir", default="/tmp/gkbench-ref")
+    dir_arg(ap, "/tmp/gkbench-ref")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--steps", type=int, default=28)
@@ -144,65 +139,60 @@ def main() -> None:
     a = ap.parse_args()
     if a.base:
         return compare_trees(a)
-    d = Path(a.dir)
-    if not a.resume:
-        shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True, exist_ok=True)
-    os.environ["GKBUILD_CACHE"] = str(d / "cache")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    T = a.prompt_len + a.steps
-    print(f"{a.prompts} prompts x {T} positions ({a.prompt_len} prompt tokens + {a.steps} greedy), FP8 e4m3 KV; "
-          f"{os.cpu_count()} cores")
-    print("| run | layers | wall | CPU | wall per layer-position | CPU per layer-position | peak RSS | load before/after |")
-    print("|---|---|---|---|---|---|---|---|")
-    rows = {"golden": {}, "verify": {}}
-    for L in a.layers:
-        ck, g, out = d / f"ck{L}", d / f"golden{L}.safetensors", d / f"build{L}"
-        measured = {kind: d / f"measured-{kind}{L}.json" for kind in rows}
-        if not measured["golden"].exists():
-            if not (ck / "config.json").exists():
+    with scratch(a.dir, resume=a.resume) as d:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        T = a.prompt_len + a.steps
+        print(f"{a.prompts} prompts x {T} positions ({a.prompt_len} prompt tokens + {a.steps} greedy), FP8 e4m3 KV; "
+              f"{os.cpu_count()} cores")
+        print("| run | layers | wall | CPU | wall per layer-position | CPU per layer-position | peak RSS | load before/after |")
+        print("|---|---|---|---|---|---|---|---|")
+        rows = {"golden": {}, "verify": {}}
+        for L in a.layers:
+            ck, g, out = d / f"ck{L}", d / f"golden{L}.safetensors", d / f"build{L}"
+            measured = {kind: d / f"measured-{kind}{L}.json" for kind in rows}
+            if not measured["golden"].exists():
+                if not (ck / "config.json").exists():
+                    shutil.rmtree(ck, ignore_errors=True)
+                    run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
+                m = run_cpu([GK, "golden", str(ck), "--out", str(g), "--prompts", str(a.prompts), "--prompt-len",
+                             str(a.prompt_len), "--steps", str(a.steps), "--kv", "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL)
+                measured["golden"].write_text(json.dumps(m))
+            if not measured["verify"].exists():
+                if not (out / "manifest.json").exists():
+                    shutil.rmtree(out, ignore_errors=True)
+                    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
+                         str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
                 shutil.rmtree(ck, ignore_errors=True)
-                run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-            m = run_cpu([GK, "golden", str(ck), "--out", str(g), "--prompts", str(a.prompts), "--prompt-len",
-                         str(a.prompt_len), "--steps", str(a.steps), "--kv", "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL)
-            measured["golden"].write_text(json.dumps(m))
-        if not measured["verify"].exists():
-            if not (out / "manifest.json").exists():
-                shutil.rmtree(out, ignore_errors=True)
-                run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
-                     str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+                with open(d / f"verify{L}.json", "w") as f:
+                    m = run_cpu([GK, "verify", str(out), "--golden", str(g), "--json", "-q"], stdout=f)
+                measured["verify"].write_text(json.dumps(m))
             shutil.rmtree(ck, ignore_errors=True)
-            with open(d / f"verify{L}.json", "w") as f:
-                m = run_cpu([GK, "verify", str(out), "--golden", str(g), "--json", "-q"], stdout=f)
-            measured["verify"].write_text(json.dumps(m))
-        shutil.rmtree(ck, ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-        for kind in rows:
-            rows[kind][L] = json.loads(measured[kind].read_text())
-        for kind in rows:
-            m = rows[kind][L]
-            print(f"| {kind} | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {m['wall'] / (L * T):.3f} s | "
-                  f"{m['cpu'] / (L * T):.3f} s | {gib(m['rss'])} | {m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
-        rep = json.loads((d / f"verify{L}.json").read_text())
-        local = ", ".join(f"{w:.1e} / {m:.1e}" for w, m in zip(rep["layer_local_errors"], rep["layer_local_median"]))
-        print(f"|  | verify {L} layers: ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, forced {rep['routing_forced']} "
-              f"of {rep['routing_total']}, local error by layer (worst / median) {local}, worst expert "
-              f"{max(rep['experts']['worst_by_layer']):.1e}, tail {rep['tail']['norm_error']:.1e} / "
-              f"{rep['tail']['lm_head_error']:.1e} | | | | | | |", flush=True)
-    if len(a.layers) > 1:
-        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS}:")
-        total = {"wall": 0.0, "cpu": 0.0}
-        for kind, by in rows.items():
-            xs = sorted(by)
-            for what in ("wall", "cpu"):
-                c, s = fit(xs, [by[L][what] for L in xs])
-                total[what] += c + s * MODEL_LAYERS
-                print(f"- {kind} {what}: {c:.1f} s + {s:.1f} s a layer -> {c + s * MODEL_LAYERS:.0f} s "
-                      f"({(c + s * MODEL_LAYERS) / 60:.1f} min)")
-            peaks = ", ".join(f"{L} layers {gib(by[L]['rss'])}" for L in xs)
-            print(f"- {kind} peak RSS: {peaks}")
-        print(f"- golden + verify at {MODEL_LAYERS} layers: wall {total['wall'] / 60:.1f} min, CPU {total['cpu'] / 60:.1f} min")
-    shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+            for kind in rows:
+                rows[kind][L] = json.loads(measured[kind].read_text())
+            for kind in rows:
+                m = rows[kind][L]
+                print(f"| {kind} | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {m['wall'] / (L * T):.3f} s | "
+                      f"{m['cpu'] / (L * T):.3f} s | {gib(m['rss'])} | {m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+            rep = json.loads((d / f"verify{L}.json").read_text())
+            local = ", ".join(f"{w:.1e} / {m:.1e}" for w, m in zip(rep["layer_local_errors"], rep["layer_local_median"]))
+            print(f"|  | verify {L} layers: ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, forced {rep['routing_forced']} "
+                  f"of {rep['routing_total']}, local error by layer (worst / median) {local}, worst expert "
+                  f"{max(rep['experts']['worst_by_layer']):.1e}, tail {rep['tail']['norm_error']:.1e} / "
+                  f"{rep['tail']['lm_head_error']:.1e} | | | | | | |", flush=True)
+        if len(a.layers) > 1:
+            print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS}:")
+            total = {"wall": 0.0, "cpu": 0.0}
+            for kind, by in rows.items():
+                xs = sorted(by)
+                for what in ("wall", "cpu"):
+                    c, s = fit(xs, [by[L][what] for L in xs])
+                    total[what] += c + s * MODEL_LAYERS
+                    print(f"- {kind} {what}: {c:.1f} s + {s:.1f} s a layer -> {c + s * MODEL_LAYERS:.0f} s "
+                          f"({(c + s * MODEL_LAYERS) / 60:.1f} min)")
+                peaks = ", ".join(f"{L} layers {gib(by[L]['rss'])}" for L in xs)
+                print(f"- {kind} peak RSS: {peaks}")
+            print(f"- golden + verify at {MODEL_LAYERS} layers: wall {total['wall'] / 60:.1f} min, CPU {total['cpu'] / 60:.1f} min")
 
 
 if __name__ == "__main__":

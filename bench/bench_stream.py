@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT))
-from _measure import gib, run_tree  # noqa: E402
+from _measure import dir_arg, gib, run_tree, scratch  # noqa: E402
 from gkbuild.pipeline.stream import DiskWatch  # noqa: E402
 from tests.raycluster import ray_cluster  # noqa: E402
 from tests.s3server import moto_server  # noqa: E402
@@ -63,73 +63,71 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--scratch-limit", default="2GiB")
     ap.add_argument("--no-ray", action="store_true")
-    ap.add_argument("--dir", default="/tmp/gkbench-stream")
+    dir_arg(ap, "/tmp/gkbench-stream")
     ap.add_argument("--local", action="store_true",
                     help="a folder source (memory-mapped) and folder stores: no S3 server (no ranged reads)")
     a = ap.parse_args()
-    d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    print(f"load before: {os.getloadavg()}", flush=True)
-    ck = d / "ckpt"
-    subprocess.run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out", str(ck), "--max-shard-size",
-                    "64MB"], check=True)  # moto reads a whole object for each ranged GET: small files keep that bounded
-    files = ["config.json", "model.safetensors.index.json", *sorted(p.name for p in ck.glob("*.safetensors"))]
-    source_bytes = sum((ck / n).stat().st_size for n in files)
-    global SOURCE
-    with (contextlib.nullcontext() if a.local else moto_server()) as url:
-        import boto3
+    with scratch(a.dir, cache=None, remove=False) as d:
+        print(f"load before: {os.getloadavg()}", flush=True)
+        ck = d / "ckpt"
+        subprocess.run([GK, "synth", "gpt-oss-120b", "--layers", str(a.layers), "-q", "--out", str(ck), "--max-shard-size",
+                        "64MB"], check=True)  # moto reads a whole object for each ranged GET: small files keep that bounded
+        files = ["config.json", "model.safetensors.index.json", *sorted(p.name for p in ck.glob("*.safetensors"))]
+        source_bytes = sum((ck / n).stat().st_size for n in files)
+        global SOURCE
+        with (contextlib.nullcontext() if a.local else moto_server()) as url:
+            import boto3
 
-        if a.local:
-            SOURCE, s3 = f"source={ck}", None
-        else:
-            s3 = boto3.client("s3", endpoint_url=url)
-            for b in ("src", "dst"):
-                s3.create_bucket(Bucket=b)
-            for n in files:
-                s3.upload_file(str(ck / n), "src", f"ckpt/{n}")
-            shutil.rmtree(ck)
-        print(f"source: {a.layers} layers, {gib(source_bytes)} in {SOURCE}", flush=True)
-        env = dict(os.environ)
-        with (ray_cluster(nodes=2, cpus=1, memory_gib=6) if not a.no_ray else contextlib.nullcontext()) as cluster:
-            rows = []
-            for i in range(a.repeat):
-                plans = [("baseline", None), ("stream", "local"), ("ray", "ray")]
-                for name, executor in plans[i % 3:] + plans[:i % 3]:  # rotate: no variant always first
-                    if name == "ray" and cluster is None:
-                        continue
-                    to = str(d / f"store-{name}") if a.local else f"s3://dst/{name}-{i}"
-                    if name == "baseline":
-                        t0 = time.perf_counter()
-                        r = step(name, ["sh", "-c", f'"{GK}" compile "{RECIPE}" --set {SOURCE} --out "{d}/build" '
-                                                    f'--no-compile -q && rm -rf "{d}/cache/s3" && "{GK}" publish "{d}/build" --to {to} --json'],
-                                 d, env)
-                        r["wall"] = time.perf_counter() - t0
-                        r["build_id"] = r["report"]["build_id"]
-                        r["source_read"] = 0 if a.local else source_bytes  # the mirror downloads every file once
-                    else:
-                        e = dict(env, RAY_ADDRESS=cluster["gcs"]) if executor == "ray" else env
-                        r = step(name, [GK, "compile", RECIPE, "--set", SOURCE, "--to", to, "--no-compile", "--json",
-                                        "--scratch-limit", a.scratch_limit, "--executor", executor], d, e)
-                        r["build_id"] = r["report"]["build_id"]
-                        r["source_read"] = r["report"]["stream"]["source_read"]
-                        r["reported_disk"] = r["report"]["stream"]["peak_disk"]
-                    r.pop("report", None)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                    if a.local:
-                        shutil.rmtree(to)
-                    else:
-                        s3fs_rm(s3, "dst", f"{name}-{i}/")
-            shutil.rmtree(d / "build", ignore_errors=True)
-    print(f"load after: {os.getloadavg()}")
-    ids = {r["build_id"] for r in rows}
-    print(f"build ids: {'all equal' if len(ids) == 1 else ids}")
-    base = [r["wall"] for r in rows if r["step"] == "baseline"]
-    print(f"{'step':9} {'wall s':>8} {'x base':>7} {'disk':>10} {'reported':>10} {'rss':>10} {'read/size':>9}")
-    for r in rows:
-        print(f"{r['step']:9} {r['wall']:8.1f} {r['wall'] / min(base):7.2f} {gib(r['disk']):>10} "
-              f"{gib(r.get('reported_disk', 0)):>10} {gib(r['rss']):>10} {r['source_read'] / source_bytes:9.2f}")
+            if a.local:
+                SOURCE, s3 = f"source={ck}", None
+            else:
+                s3 = boto3.client("s3", endpoint_url=url)
+                for b in ("src", "dst"):
+                    s3.create_bucket(Bucket=b)
+                for n in files:
+                    s3.upload_file(str(ck / n), "src", f"ckpt/{n}")
+                shutil.rmtree(ck)
+            print(f"source: {a.layers} layers, {gib(source_bytes)} in {SOURCE}", flush=True)
+            env = dict(os.environ)
+            with (ray_cluster(nodes=2, cpus=1, memory_gib=6) if not a.no_ray else contextlib.nullcontext()) as cluster:
+                rows = []
+                for i in range(a.repeat):
+                    plans = [("baseline", None), ("stream", "local"), ("ray", "ray")]
+                    for name, executor in plans[i % 3:] + plans[:i % 3]:  # rotate: no variant always first
+                        if name == "ray" and cluster is None:
+                            continue
+                        to = str(d / f"store-{name}") if a.local else f"s3://dst/{name}-{i}"
+                        if name == "baseline":
+                            t0 = time.perf_counter()
+                            r = step(name, ["sh", "-c", f'"{GK}" compile "{RECIPE}" --set {SOURCE} --out "{d}/build" '
+                                                        f'--no-compile -q && rm -rf "{d}/cache/s3" && "{GK}" publish "{d}/build" --to {to} --json'],
+                                     d, env)
+                            r["wall"] = time.perf_counter() - t0
+                            r["build_id"] = r["report"]["build_id"]
+                            r["source_read"] = 0 if a.local else source_bytes  # the mirror downloads every file once
+                        else:
+                            e = dict(env, RAY_ADDRESS=cluster["gcs"]) if executor == "ray" else env
+                            r = step(name, [GK, "compile", RECIPE, "--set", SOURCE, "--to", to, "--no-compile", "--json",
+                                            "--scratch-limit", a.scratch_limit, "--executor", executor], d, e)
+                            r["build_id"] = r["report"]["build_id"]
+                            r["source_read"] = r["report"]["stream"]["source_read"]
+                            r["reported_disk"] = r["report"]["stream"]["peak_disk"]
+                        r.pop("report", None)
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+                        if a.local:
+                            shutil.rmtree(to)
+                        else:
+                            s3fs_rm(s3, "dst", f"{name}-{i}/")
+                shutil.rmtree(d / "build", ignore_errors=True)
+        print(f"load after: {os.getloadavg()}")
+        ids = {r["build_id"] for r in rows}
+        print(f"build ids: {'all equal' if len(ids) == 1 else ids}")
+        base = [r["wall"] for r in rows if r["step"] == "baseline"]
+        print(f"{'step':9} {'wall s':>8} {'x base':>7} {'disk':>10} {'reported':>10} {'rss':>10} {'read/size':>9}")
+        for r in rows:
+            print(f"{r['step']:9} {r['wall']:8.1f} {r['wall'] / min(base):7.2f} {gib(r['disk']):>10} "
+                  f"{gib(r.get('reported_disk', 0)):>10} {gib(r['rss']):>10} {r['source_read'] / source_bytes:9.2f}")
 
 
 def s3fs_rm(s3, bucket: str, prefix: str) -> None:
