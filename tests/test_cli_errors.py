@@ -65,13 +65,13 @@ def test_out_naming_a_file_is_one_line(tmp_path, capsys):
 ANSI = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"  # clear screen, set the title, a C1 CSI, a bidi override
 
 
-def test_a_peers_error_text_reaches_the_terminal_escaped(monkeypatch, capsys):
-    """A fake prefill peer on 127.0.0.1 answers with an error whose text holds terminal escapes:
-    the line gkbuild prints shows them, it does not send them."""
+def test_a_peers_error_text_reaches_the_terminal_escaped(monkeypatch, capsys, tmp_path):
+    """A fake prefill peer (its own process on 127.0.0.1) answers with an error whose text holds
+    terminal escapes: the line gkbuild prints shows them, it does not send them."""
     import click
 
     from gkbuild.di.decode import Peer
-    from tests.di.test_wire import _frame, _serve
+    from tests.di.fake_prefill import frame, scripted
 
     @click.group()
     def group():
@@ -79,11 +79,12 @@ def test_a_peers_error_text_reaches_the_terminal_escaped(monkeypatch, capsys):
 
     @group.command()
     def connect():
-        Peer(_serve([_frame({"op": "error", "message": f"prefill: {ANSI}boom"})]))
+        Peer(endpoint, timeout=5)
 
     monkeypatch.setattr(cli, "cli", group)  # main() prints what the command raised, as for any command
-    with pytest.raises(SystemExit) as e:
-        cli.main(["connect"])
+    with scripted(tmp_path, [frame({"op": "error", "message": f"prefill: {ANSI}boom"})]) as (endpoint, _):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["connect"])
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.count("\n") == 1 and "boom" in err
     assert not any(c in err for c in "\x1b\x07\x9b\u202e")

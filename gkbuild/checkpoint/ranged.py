@@ -220,7 +220,7 @@ class RangedCheckpoint(Checkpoint):
     group: tuple[int, int, int] | None = None  # (first, end, this) shard index of the job's group
 
     @classmethod
-    def open_remote(cls, remote: Remote) -> "RangedCheckpoint":
+    def open_remote(cls, remote: Remote, plain: bool = False) -> "RangedCheckpoint":
         root = Location(remote.uri)
         config = GptOssConfig.from_hf(jsonio.loads(remote.small("config.json", MAX_CONFIG), root / "config.json"),
                                       where=root / "config.json")
@@ -230,7 +230,7 @@ class RangedCheckpoint(Checkpoint):
             size = remote.file(f).size
             raw = header_bytes(_Reader(remote, f), size, root / f)
             headers[f] = parse_header(raw, size, root / f)
-        ck = cls.assemble(root, config, headers, index, plain=True)  # as a local build reads: no ml_dtypes
+        ck = cls.assemble(root, config, headers, index, plain)
         ck.remote, ck.fetched, ck._memo, ck._held = remote, 0, OrderedDict(), 0
         return ck
 

@@ -439,6 +439,16 @@ def default_jobs() -> int:
     return (os.cpu_count() or 1) + 1
 
 
+def open_cache(cache: str | None, push: bool, compile: bool, out: Path):
+    """The compile cache a build looks programs up in (``CompileCache``), or None. Opened before any
+    work: a location that is no store is refused now, not skipped later."""
+    if not (cache and compile):
+        return None
+    from ..compile.cache import CompileCache
+
+    return CompileCache(cache, push, staging=out / STATE_DIR / "cache-push")
+
+
 def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = None, force: bool = False,
                   quiet: bool = False, compile: bool = True, require_neff: bool = False, cache: str | None = None,
                   cache_push: bool = False) -> BuildResult:
@@ -450,11 +460,7 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
     if spec.kind == "dir":
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
-    shared = None
-    if cache and compile:  # opened before any work: a location that is no store is refused now, not skipped later
-        from ..compile.cache import CompileCache
-
-        shared = CompileCache(cache, cache_push, staging=out / STATE_DIR / "cache-push")
+    shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress:
         b = _Build(recipe, out, jobs or default_jobs(), force, progress)

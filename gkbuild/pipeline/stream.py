@@ -44,7 +44,7 @@ from ..recipe import Recipe
 from ..summary import human_bytes
 from .emit import Context, ShardJob, run_shard, use_checkpoint
 from .fingerprint import Fingerprints, sha256_file
-from .pipeline import SYNC_INTERVAL, BuildResult, _Build, _lock, _Runner, _v_scale, default_jobs, shard_key
+from .pipeline import SYNC_INTERVAL, BuildResult, _Build, _lock, _Runner, _v_scale, default_jobs, open_cache, shard_key
 from .state import key
 
 DEFAULT_SCRATCH = 4 << 30
@@ -93,7 +93,7 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
         from ..checkpoint.ranged import RangedCheckpoint, Remote
 
         if sj.ctx.ckpt_root not in _remote:
-            _remote[sj.ctx.ckpt_root] = RangedCheckpoint.open_remote(Remote(sj.ctx.ckpt_root, sj.pin))
+            _remote[sj.ctx.ckpt_root] = RangedCheckpoint.open_remote(Remote(sj.ctx.ckpt_root, sj.pin), plain=True)
         ck = _remote[sj.ctx.ckpt_root]
         use_checkpoint(sj.ctx.ckpt_root, ck)
     if sj.store not in _stores:
@@ -446,6 +446,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     if isinstance(store, DirStore):  # workers elsewhere (Ray) open it by an absolute path
         store = open_store(str(Path(to).resolve()))
     out = scratch_folder(recipe, store.uri)
+    shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress, DiskWatch(out, worker_staging()) as disk:
         b = _StreamBuild(recipe, out, jobs or stream_jobs(), force, progress, store, scratch_limit, executor,
@@ -463,7 +464,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
                 b.lease = lease.__enter__()
             b.shards()
             b.layout()
-            b.compile(compile, require_neff, cache, cache_push)
+            b.compile(compile, require_neff, shared)
             m = b.manifest()
             report = _publish(signed_build(out, sign), store, b.level, None, False, True, lease, known=b.known)
         finally:
