@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -68,10 +69,14 @@ def parse(uri: str) -> S3Ref:
 
 
 def filesystem():
-    """An s3fs filesystem over the AWS chain (no listing cache: stores change under us)."""
+    """An s3fs filesystem over the AWS chain (no listing cache: stores change under us). The
+    endpoint is passed by name: fsspec hands back a cached instance for the same arguments
+    (fsspec 2026.9.0, ``fsspec/spec.py:92-105`` ``_Cached.__call__`` tokenizes only them), so
+    without it a process whose ``AWS_ENDPOINT_URL`` changed would keep talking to the old endpoint."""
     import s3fs
 
-    return s3fs.S3FileSystem(use_listings_cache=False)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    return s3fs.S3FileSystem(use_listings_cache=False, endpoint_url=endpoint)
 
 
 def code(e: BaseException) -> str | None:
