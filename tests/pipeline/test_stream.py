@@ -23,7 +23,6 @@ from gkbuild import recipe
 from gkbuild.publish import index, signing
 from gkbuild.publish.fetch import fetch
 from gkbuild.publish.publish import publish
-from gkbuild.pipeline.pipeline import compile_build
 from gkbuild.pipeline.stream import DiskWatch, stream_build
 from tests.conftest import RECIPES, run_cli
 from tests.s3server import moto_server
@@ -60,9 +59,13 @@ def reference(s3, tmp_path_factory):
     _, client = s3
     client.create_bucket(Bucket="ref")
     out = tmp_path_factory.mktemp("ref") / "build"
-    res = compile_build(recipe.load(RECIPE, [SOURCE]), out=out, quiet=True)
-    publish(out, "s3://ref/b", quiet=True)
-    return objects(client, "ref", "b"), res.manifest["build_id"]
+    # both as a user runs them, in processes of their own (as the streamed build is): what earlier
+    # tests left imported in this worker (a fake Neuron SDK, say) must not change the reference
+    for args in (("compile", str(RECIPE), "--set", SOURCE, "--out", str(out), "-q"),
+                 ("publish", str(out), "--to", "s3://ref/b", "-q")):
+        r = run_cli(*args)
+        assert r.returncode == 0, r.stderr
+    return objects(client, "ref", "b"), json.loads((out / "manifest.json").read_text())["build_id"]
 
 
 def local(tmp_path) -> dict:
