@@ -39,11 +39,15 @@ def main() -> None:
     a = ap.parse_args()
     with scratch(a.dir) as d:
         trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
-        args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(d / "build"), "--json",
+        args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--json",
                 "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
 
         def gk(tree: Path, *extra: str) -> tuple[list[str], dict]:
-            return [sys.executable, *extra, "-m", "gkbuild", *args], {"cwd": tree, "env": dict(os.environ, PYTHONPATH=str(tree))}
+            """A tree's no-op into a build folder of its own (two trees' stage keys may differ: one
+            folder between them would make each run redo what the other's run keyed otherwise)."""
+            out = d / f"build-{list(trees.values()).index(tree)}"
+            return ([sys.executable, *extra, "-m", "gkbuild", *args, "--out", str(out)],
+                    {"cwd": tree, "env": dict(os.environ, PYTHONPATH=str(tree))})
 
         for tree in trees.values():  # the build (synthesizing the source), then each tree's first no-op
             for _ in range(2):
