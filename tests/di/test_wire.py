@@ -153,4 +153,7 @@ def test_a_stalled_peer_is_one_line_at_the_deadline(tmp_path, answers, delay, ph
     assert str(e.value) == (f"prefill at {endpoint[0]}:{endpoint[1]}: the {phase} did not complete within 1 s "
                             f"(--transfer-timeout); no decode step ran")
     assert TIMEOUT <= took < TIMEOUT + MARGIN, took
-    assert log.read_text().splitlines()[-1] == f"recv {phase if phase != 'handshake' else 'hello'}"
+    # the last frame the peer saw is the stalled phase's request (a "closed" may follow it: the
+    # decode side hangs up at its deadline, before the fake is stopped)
+    seen = [line for line in log.read_text().splitlines() if line.startswith("recv ")]
+    assert seen[-1] == f"recv {phase if phase != 'handshake' else 'hello'}", seen
