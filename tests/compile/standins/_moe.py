@@ -2,7 +2,9 @@
 same block): the MoE is MX when the experts' dtype, as the kernel sees it, is one of ``mx_types``;
 at LNC=1 it takes MX only; it then quantizes its activations to ``quantized`` (QuantizeMX). How the
 SDK presents a torch dtype is the fake's ``nl.presented`` (undocumented: gkbuild doctor item
-mx_carrier)."""
+mx_carrier). Source: aws-neuron/nki-library@e9ef98fc moe_block_tkg_utils.py,
+``parse_moe_block_config`` (``dtype in (nl.float4_e2m1fn_x4, nl.float8_e4m3fn_x4)``) and
+``validate_moe_block_inputs`` (MX only at LNC=1), as gkbuild/compile/rules.py cites them."""
 
 import nki.language as nl
 
