@@ -7,6 +7,10 @@ durable. A hub store commits once per build (``create_commit`` with the new blob
 deletions of blobs the new index no longer names; history keeps them), against the parent commit
 it read, so two concurrent publishes cannot interleave. Reading a hub store pins the commit a
 branch points to first, so a fetch never mixes two builds.
+
+A streamed build (``compile --to hf://``) sends each blob's content as soon as it is made
+(``preupload_lfs_files``), from whichever worker made it, and lists them all in that one commit:
+until then nothing of it is visible on the branch.
 """
 
 from __future__ import annotations
@@ -234,6 +238,8 @@ class HubStore:
         self.commit_sha: str | None = None  # the commit read from (pinned on first use)
         self.concurrency = max(8, os.cpu_count() or 1)  # network-bound: keep several downloads going
         self._tree: dict[str, int] | None = None
+        self.stream = False  # a streamed build's worker: ``writer`` sends each blob as it is closed
+        self.uncommitted: dict = {}  # blob name -> its CommitOperationAdd, content sent, for the next commit
 
     @property
     def api(self):
@@ -305,13 +311,70 @@ class HubStore:
         shutil.rmtree(self.staging, ignore_errors=True)
         (self.staging / "blobs").mkdir(parents=True)
 
+    def check_stream(self) -> None:
+        """Before a streamed build does any work: a token, and the repo and branch it will commit
+        to (it sends blobs from the start and creates nothing visible before its one commit)."""
+        from huggingface_hub.errors import GatedRepoError, LocalTokenNotFoundError, RepositoryNotFoundError, \
+            RevisionNotFoundError
+
+        repo, branch = self.ref.repo, self.ref.revision
+        first = "; a streamed build creates nothing before its one commit: create it first"
+        with self._errors():
+            try:
+                self.api.whoami()
+                self.commit_sha = self.api.repo_info(repo, revision=branch).sha
+            except LocalTokenNotFoundError:
+                raise GkError(f"{self.uri}: no Hugging Face token (set HF_TOKEN or run `hf auth login`): a streamed "
+                              f"build uploads as you") from None
+            except RevisionNotFoundError:
+                raise GkError(f"{self.uri}: branch {branch!r} does not exist{first} "
+                              f"(hf repos branch create {repo} {branch})") from None
+            except RepositoryNotFoundError as e:
+                if isinstance(e, GatedRepoError):
+                    raise
+                raise GkError(f"{self.uri}: repository not found on the hub (or not visible with your token)"
+                              f"{first} (hf repos create {repo} --private)") from None
+
+    def streaming(self) -> "HubStore":
+        """This store as a streamed build's workers use it (pickled to them): the driver's API
+        client (a worker node finds its own token), reads at the commit the driver pinned, and
+        each blob sent as it is written; the worker sets ``staging``."""
+        w = HubStore(self.ref, None, self._api, self._fs)
+        w.commit_sha, w._tree, w.stream = self.commit_sha, self._tree_sizes(), True
+        return w
+
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[BinaryIO]:
-        with naming(self.staging / name), open(self.staging / name, "wb") as f:
-            yield f
+        if not self.stream:
+            with naming(self.staging / name), open(self.staging / name, "wb") as f:
+                yield f
+            return
+        self.staging.mkdir(parents=True, exist_ok=True)
+        tmp = self.staging / f".{Path(name).name}.{os.getpid()}.partial"
+        try:
+            with naming(tmp), open(tmp, "wb") as f:
+                yield f
+            self.uncommitted[name] = self._preupload(name, tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _preupload(self, name: str, path: Path):
+        """Send a staged blob's content now (it becomes visible with the commit that lists it):
+        its CommitOperationAdd for that commit. ``preupload_lfs_files`` empties the content of an
+        operation it sent (huggingface_hub 1.33.0, hf_api.py:5541-5544); the hub keeps a small text
+        file inside the commit instead, so such an operation keeps its bytes."""
+        from huggingface_hub import CommitOperationAdd
+
+        op = CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+        with self._errors():
+            self.api.preupload_lfs_files(self.ref.repo, [op], revision=self.ref.revision, free_memory=True)
+        if op.path_or_fileobj != b"":
+            op.path_or_fileobj = path.read_bytes()
+        return op
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        self.uncommitted.clear()
 
     def commit(self, index: bytes, added: list[str], message: str) -> str:
         """One commit: the new blobs, the index, and deletions of blobs the index no longer names
@@ -320,7 +383,8 @@ class HubStore:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         keep = live_blobs(self, index)
-        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n)) for n in sorted(added)]
+        ops = [self.uncommitted.get(n) or CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n))
+               for n in sorted(added)]
         ops.append(CommitOperationAdd(path_in_repo=NAME, path_or_fileobj=index))
         ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(self.stored()) if n not in keep]
         try:
