@@ -8,7 +8,8 @@ build id is the same), with three differences:
 - each shard is written to a staging file, stored as a blob (``publish.put_blob``: the encoding
   publish would choose, hashed on the way) and deleted; how many shards are staged at once is
   bounded by ``--scratch-limit``, which must hold at least the largest shard (for the hub, also its
-  blob: it is staged whole, then its content sent, and listed in the final commit);
+  blob: it is staged whole, its content sent, then committed to the build's own branch, from which
+  the final commit copies it);
 - the index and manifest are committed last in one step (``publish``'s commit), under a lease
   taken before the first blob is sent, so a concurrent ``--prune`` keeps off and a killed build
   leaves nothing visible. A rerun skips the shards whose blobs its state records and the store
@@ -379,11 +380,11 @@ class _StreamBuild(_Build):
                 self._results[r["path"]] = r
                 self._unrecorded.append(r["path"])
                 self.known[r["path"]] = r["entry"]
-                if r["op"]:
-                    self.store.uncommitted[r["op"].path_in_repo] = r["op"]
                 c["sent" if r["sent"] else "reused"] += 1
                 c["sent_bytes"] += r["sent_bytes"]
                 c["read"] += r["read"]
+            if self.hub:  # on the build's own branch, a rerun finds them
+                self.store.commit_side([r["op"] for r in records if r["op"]])
             if self.executor != "local":
                 self.progress.advance("shards", sj.nbytes)
             if self.lease:
@@ -463,13 +464,16 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     with _lock(out), Progress(quiet) as progress, DiskWatch(out, worker_staging()) as disk:
         b = _StreamBuild(recipe, out, jobs or stream_jobs(), force, progress, store, scratch_limit, executor,
                          codec.LEVEL if level is None else level)
-        b.lease, b.hub = None, store.streaming() if hub else None
+        b.lease, b.hub = None, hub
         b.resolve()
         b.validate()
         b.plan()
         b.base_use = disk.sample()
         b.check_scratch()
         store.prepare()
+        if hub:  # its own branch: the blobs it sends are committed there until its one commit
+            store.open_side(f"gkbuild-stream-{out.name}")
+            b.hub = store.streaming()
         lease = Lease(store) if store.leases else None
         try:
             if lease:
@@ -478,8 +482,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
             b.layout()
             b.compile(compile, require_neff, shared)
             m = b.manifest()
-            report = _publish(signed_build(out, sign), store, b.level, None, False, True, lease, known=b.known,
-                              sent=sorted(store.uncommitted) if hub else ())
+            report = _publish(signed_build(out, sign), store, b.level, None, False, True, lease, known=b.known)
         finally:
             if lease:
                 lease.__exit__(None, None, None)

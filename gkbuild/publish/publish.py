@@ -97,10 +97,9 @@ def signed_build(build_dir: Path, sign: str | None) -> tuple:
 
 
 def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, quiet: bool, lease,
-             known: dict[str, dict] | None = None, sent: tuple | list = ()) -> dict:
+             known: dict[str, dict] | None = None) -> dict:
     """``known``: path -> index entry of files the caller already stored (a streamed build's
-    shards, which are not in ``build_dir``); ``sent``: the blobs among them the commit must add
-    (a hub store's: their content sent, not yet in any commit)."""
+    shards, which are not in ``build_dir``)."""
     build_dir, man_bytes, m, signed = built
     known = known or {}
     prev_bytes = store.read_index()
@@ -127,7 +126,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     groups: dict[str, list[dict]] = {}  # files with the same content share one blob
     for f in [man, *beside, *files]:
         groups.setdefault(f["sha256"], []).append(f)
-    entries, added, lock = {}, list(sent), threading.Lock()
+    entries, added, lock = {}, [], threading.Lock()
     todo = list(groups.values())
 
     def store_one(same: list[dict]) -> None:

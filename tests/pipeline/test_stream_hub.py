@@ -1,8 +1,10 @@
 """``gkbuild compile RECIPE --to hf://ORG/NAME@BRANCH`` against the fake hub (tests/publish/fake_hub.py,
 its state in a folder so the build's worker processes upload into the same hub): the branch ends
 as ``compile`` + ``publish --to hf://`` leave it, byte for byte, in one commit; every shard's blob
-went up as LFS content from the worker that made it; a killed build leaves the branch as it was
-and its rerun sends no content twice; no token, no repo, no branch are one line before any work."""
+went up as LFS content from the worker that made it, by way of the build's own branch (gone at the
+end); a killed build leaves the branch as it was, and its rerun takes what the killed one committed
+to its own branch without emitting it again and sends only the content the hub lacks; no token,
+no repo, no branch are one line before any work."""
 
 import os
 import shutil
@@ -17,6 +19,7 @@ from gkbuild import recipe
 from gkbuild.errors import GkError
 from gkbuild.pipeline.check import problems
 from gkbuild.pipeline.pipeline import compile_build
+from gkbuild.pipeline.state import State
 from gkbuild.pipeline.stream import scratch_folder, stream_build
 from gkbuild.publish import index
 from gkbuild.publish.fetch import fetch
@@ -55,6 +58,7 @@ def test_streamed_into_the_hub_it_is_compile_and_publish_in_one_commit(built, tm
     got = hub.head(repo, "trn2")
     assert got.tree == want.tree and got.message == want.message  # every file, byte for byte
     assert got.parent == main and hub.head(repo, "main").oid == main  # one commit, on the branch only
+    assert sorted(hub.repos[repo]) == ["main", "trn2"]  # the build's own branch is gone
     idx = index.parse(got.tree[index.NAME], "publish.json")
     assert res.manifest["build_id"] == idx["build_id"]
     shards = {e["blob"] for e in idx["files"] if e["path"].startswith("weights/")}
@@ -109,9 +113,10 @@ stream_build(recipe.load(sys.argv[2]), sys.argv[3], 24 << 20, jobs=1, quiet=True
 def test_a_killed_hub_stream_leaves_the_branch_and_its_rerun_sends_nothing_twice(tmp_path, monkeypatch):
     """tiny-topology (~50 shards), one worker, killed (SIGKILL, with its workers) once a third of
     the blobs are up: the branch still points at the build published before; the rerun commits
-    compile + publish's tree byte for byte and sends exactly the LFS content the hub lacks (it emits
-    again the shards sent but not committed: the hub, as huggingface_hub's batch call tells it,
-    does not take their content twice)."""
+    compile + publish's tree byte for byte, takes the blobs the killed run committed to its own
+    branch from there, and sends exactly the LFS content the hub lacks (a shard whose content was
+    sent but not yet committed there is emitted again: the hub, as huggingface_hub's batch call
+    tells it, does not take its content twice)."""
     repo, uri = "my-org/gk-stream-c", "hf://my-org/gk-stream-c@trn2"
     monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path / "cache"))  # the killed run's state, for the rerun
     hub = hub_with(tmp_path / "hub", repo)
@@ -123,7 +128,8 @@ def test_a_killed_hub_stream_leaves_the_branch_and_its_rerun_sends_nothing_twice
     publish(tmp_path / "other", uri, api=hub, fs=hub, quiet=True)  # the branch holds another build
     before = hub.head(repo, "trn2")
     p = subprocess.Popen([sys.executable, "-c", KILLED, str(tmp_path / "hub"), str(TOPO), uri], cwd=ROOT,
-                         env=dict(os.environ), start_new_session=True, stderr=subprocess.PIPE)
+                         env=dict(os.environ, GKBUILD_SYNC_INTERVAL="0"), start_new_session=True,
+                         stderr=subprocess.PIPE)  # its state saved after each job
     deadline = time.monotonic() + 300
     while p.poll() is None and time.monotonic() < deadline and len(hub.sent()) < len(shards) // 3:
         time.sleep(0.1)
@@ -132,6 +138,11 @@ def test_a_killed_hub_stream_leaves_the_branch_and_its_rerun_sends_nothing_twice
     p.wait()
     p.stderr.close()
     assert hub.head(repo, "trn2").oid == before.oid  # nothing visible
+    side = next(b for b in hub.repos[repo] if b.startswith("gkbuild-stream-"))
+    on_side = set(hub.head(repo, side).files)
+    recorded = [p for p, r in State(scratch_folder(recipe.load(TOPO), uri)).shards.items()
+                if r["entry"]["blob"] in on_side]
+    assert recorded  # the jobs that ended before the kill: on the build's branch, in its state
     first = len(hub.sent())
     res = stream_build(recipe.load(TOPO), uri, 24 << 20, quiet=True, compile=False, api=hub, fs=hub)
     got = hub.head(repo, "trn2")
@@ -141,4 +152,7 @@ def test_a_killed_hub_stream_leaves_the_branch_and_its_rerun_sends_nothing_twice
     again = [path for _, path, _, _ in hub.sent()[first:]]
     assert shards & had and shards - had  # killed mid-stream
     assert sorted(again) == sorted(lfs_blobs(got.tree) - had)  # the rerun sent exactly what the hub lacked
+    files = [f for f in res.manifest["files"] if f["path"].startswith("weights/")]
+    assert 0 < res.shards_written <= len(files) - len(recorded)  # those on the build's branch not emitted again
+    assert side not in hub.repos[repo]
     assert 0 < res.stream["peak_disk"] <= 24 << 20

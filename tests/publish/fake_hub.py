@@ -22,7 +22,7 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete
 from huggingface_hub.errors import (HfHubHTTPError, LocalTokenNotFoundError, RepositoryNotFoundError,
                                     RevisionNotFoundError)
 
@@ -190,10 +190,19 @@ class FakeHub:
                 raise _error(HfHubHTTPError, "409 exists")
 
     def create_branch(self, repo_id, *, branch, revision=None, exist_ok=False, **kw):
+        """hf_api.py:7108: a branch from ``revision`` (default main); an existing one is a 409."""
         with self._state():
             branches = self.repos[repo_id]
             if branch not in branches:
-                branches[branch] = list(branches["main"])
+                branches[branch] = list(self._branch(repo_id, revision))
+            elif not exist_ok:
+                raise _error(HfHubHTTPError, f"409 branch {branch} exists")
+
+    def delete_branch(self, repo_id, *, branch, **kw):
+        with self._state():
+            if repo_id not in self.repos or branch not in self.repos[repo_id] or branch == "main":
+                raise _error(HfHubHTTPError, f"404 no branch {branch}")
+            del self.repos[repo_id][branch]
 
     def _oid_at(self, head: Commit, path: str) -> str | None:
         """The oid the preupload endpoint reports for a file already at ``path`` (_commit_api.py:773):
@@ -238,7 +247,9 @@ class FakeHub:
         additions is preuploaded (:5282); additions identical to the file at their path are dropped
         (:5299) and a commit left empty is not made; the hub then applies every operation or none,
         over ``parent_commit`` only if the branch still points there. An LFS addition names its
-        content by oid (_commit_api.py:961), which the repo's LFS store must hold."""
+        content by oid (_commit_api.py:961), which the repo's LFS store must hold. A copy takes the
+        file at ``src_path_in_repo`` in ``src_revision`` (default the target; _commit_api.py:87,
+        intra-repo only here)."""
         with self._state():
             ops = list(operations)
             adds = [op for op in ops if isinstance(op, CommitOperationAdd)]
@@ -266,6 +277,12 @@ class FakeHub:
                             oid = self.objects.put(f.read())
                     files[op.path_in_repo] = oid
                     added[op.path_in_repo] = op.upload_info.size
+                elif isinstance(op, CommitOperationCopy):
+                    src = self._branch(repo_id, op.src_revision or revision)[-1]
+                    if op.src_path_in_repo not in src.files:
+                        raise _error(HfHubHTTPError, f"404 {op.src_path_in_repo}: not in {op.src_revision}")
+                    files[op.path_in_repo] = src.files[op.src_path_in_repo]
+                    added[op.path_in_repo] = len(self.objects.get(files[op.path_in_repo]))
                 elif isinstance(op, CommitOperationDelete):
                     if op.path_in_repo not in files:
                         raise _error(HfHubHTTPError, f"404 {op.path_in_repo}: a file with this name doesn't exist")
