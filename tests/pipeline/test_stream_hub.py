@@ -28,6 +28,9 @@ from tests.conftest import RECIPES, ROOT, run_cli
 from tests.publish.fake_hub import FakeHub, upload_mode
 
 
+TOPO = RECIPES / "tiny-topology-trn2.yaml"
+
+
 def hub_with(root, repo: str, branch: str = "trn2") -> FakeHub:
     hub = FakeHub(root)
     hub.create_repo(repo, private=True)
@@ -86,6 +89,15 @@ def test_no_token_no_repo_no_branch_are_one_line_before_any_work(tmp_path):
     assert hub.sent() == [] and len(hub.repos["my-org/gk-stream-b"]["trn2"]) == 1
 
 
+def test_the_limit_must_hold_a_shard_and_its_blob_and_is_checked_before_anything_is_sent(tmp_path):
+    hub = hub_with(tmp_path / "hub", "my-org/gk-stream-d")
+    with pytest.raises(GkError, match=r"--scratch-limit 4.00 MiB: .*weights/embed-host.safetensors \(2.00 MiB, and its "
+                                      r"blob, plus"):
+        stream_build(recipe.load(TOPO), "hf://my-org/gk-stream-d@trn2", 4 << 20, quiet=True, compile=False, api=hub,
+                     fs=hub)
+    assert hub.sent() == [] and sorted(hub.repos["my-org/gk-stream-d"]) == ["main", "trn2"]  # no own branch yet
+
+
 def test_the_cli_without_a_token_says_so_in_one_line(tmp_path):
     """huggingface_hub itself (no fake): with no HF_TOKEN and no saved token, before any request."""
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "", "HUGGING_FACE_HUB_TOKEN": "", "HF_HUB_OFFLINE": "1",
@@ -97,7 +109,6 @@ def test_the_cli_without_a_token_says_so_in_one_line(tmp_path):
     assert not (tmp_path / "cache" / "stream").exists()
 
 
-TOPO = RECIPES / "tiny-topology-trn2.yaml"
 KILLED = """
 import sys
 from pathlib import Path
