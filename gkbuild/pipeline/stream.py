@@ -263,11 +263,11 @@ class _StreamBuild(_Build):
     def check_scratch(self) -> None:
         """Refuse to start when the limit cannot stage the largest shard next to the metadata."""
         big = max(self.plan_.files, key=lambda f: f.nbytes)
-        copies = 2 if self.hub else 1
-        need = copies * big.nbytes + HEADER_ROOM + self.base_use
+        hub = isinstance(self.store, HubStore)  # its blob is staged whole beside it
+        need = (2 if hub else 1) * big.nbytes + HEADER_ROOM + self.base_use
         if need > self.limit:
             raise GkError(f"--scratch-limit {human_bytes(self.limit)}: cannot stage the largest shard, {big.path} "
-                          f"({human_bytes(big.nbytes)}{', and its blob' if self.hub else ''}, plus "
+                          f"({human_bytes(big.nbytes)}{', and its blob' if hub else ''}, plus "
                           f"{human_bytes(self.base_use + HEADER_ROOM)} of state and headers); give at least "
                           f"{human_bytes(need)}")
 
@@ -464,7 +464,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     with _lock(out), Progress(quiet) as progress, DiskWatch(out, worker_staging()) as disk:
         b = _StreamBuild(recipe, out, jobs or stream_jobs(), force, progress, store, scratch_limit, executor,
                          codec.LEVEL if level is None else level)
-        b.lease, b.hub = None, hub
+        b.lease, b.hub = None, None
         b.resolve()
         b.validate()
         b.plan()
