@@ -213,9 +213,10 @@ _sign_option = click.option(
 @click.option("--cache-push", is_flag=True, envvar="GKBUILD_COMPILE_CACHE_PUSH",
               help="Store the compiled programs in the --cache store; env GKBUILD_COMPILE_CACHE_PUSH=1.")
 @click.option("--to", "to", metavar="STORE", default=None,
-              help="Stream the build into STORE (a folder store or s3://BUCKET/PREFIX) instead of a build folder: "
-                   "the source is read by byte range (s3://, hf:// are not mirrored), each shard is stored as a "
-                   "blob as soon as it is made, the index and manifest are committed last (as publish does).")
+              help="Stream the build into STORE (a folder store, s3://BUCKET/PREFIX or hf://ORG/NAME[@BRANCH], whose "
+                   "repo and branch must exist) instead of a build folder: the source is read by byte range (s3://, "
+                   "hf:// are not mirrored), each shard is stored as a blob as soon as it is made (on the hub: its "
+                   "LFS content sent), the index and manifest are committed last (as publish does).")
 @click.option("--scratch-limit", default="4GiB", show_default=True, metavar="SIZE",
               help="With --to: the local disk the build may use (state, metadata, staged shards); refused "
                    "up front if it cannot hold the largest shard.")

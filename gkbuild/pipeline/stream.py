@@ -7,7 +7,9 @@ build id is the same), with three differences:
   ``s3://`` and ``hf://`` are never mirrored; a folder or ``synth://`` is memory-mapped as usual;
 - each shard is written to a staging file, stored as a blob (``publish.put_blob``: the encoding
   publish would choose, hashed on the way) and deleted; how many shards are staged at once is
-  bounded by ``--scratch-limit``, which must hold at least the largest shard;
+  bounded by ``--scratch-limit``, which must hold at least the largest shard (for the hub, also its
+  blob: it is staged whole, its content sent, then committed to the build's own branch, from which
+  the final commit copies it);
 - the index and manifest are committed last in one step (``publish``'s commit), under a lease
   taken before the first blob is sent, so a concurrent ``--prune`` keeps off and a killed build
   leaves nothing visible. A rerun skips the shards whose blobs its state records and the store
@@ -34,12 +36,12 @@ from .. import __version__
 from ..checkpoint.reader import INDEX
 from ..checkpoint.source import cache_root, materialize, parse
 from ..errors import GkError
-from ..paths import claim, inside
+from ..paths import STATE_DIR, claim, inside
 from ..plan import ShardFile
 from ..progress import Progress
 from ..publish.leases import Lease
 from ..publish.publish import _publish, _stored_entry, put_blob, signed_build
-from ..publish.stores import DirStore, open_store
+from ..publish.stores import DirStore, HubStore, open_store
 from ..recipe import Recipe
 from ..summary import human_bytes
 from .emit import Context, ShardJob, run_shard, use_checkpoint
@@ -63,6 +65,7 @@ class StreamJob:
     pin: dict  # what the driver listed of a remote source (ranged.Remote)
     stored: dict  # blob name -> size, as the driver listed the store
     level: int
+    hub: HubStore | None = None  # a hub store as its workers use it (``HubStore.streaming``); else the URI is opened
 
     @property
     def nbytes(self) -> int:
@@ -70,8 +73,8 @@ class StreamJob:
 
     @property
     def staging(self) -> int:
-        """The local disk it needs at most: its largest shard, staged."""
-        return max(j.nbytes for j in self.jobs) + HEADER_ROOM
+        """The local disk it needs at most: its largest shard, staged (and, for the hub, its blob)."""
+        return max(j.nbytes for j in self.jobs) * (2 if self.hub else 1) + HEADER_ROOM
 
     @property
     def name(self) -> str:
@@ -97,9 +100,12 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
         ck = _remote[sj.ctx.ckpt_root]
         use_checkpoint(sj.ctx.ckpt_root, ck)
     if sj.store not in _stores:
-        _stores[sj.store] = open_store(sj.store)
+        _stores[sj.store] = sj.hub or open_store(sj.store)
+    store = _stores[sj.store]
     own = not sj.ctx.out_dir
     staging = worker_staging() / uuid.uuid4().hex if own else Path(sj.ctx.out_dir)
+    if sj.hub:
+        store.staging = staging / "weights"  # a blob beside its shard (a killed run's are cleared with them)
     ctx = replace(sj.ctx, out_dir=str(staging))
     first, end = sj.jobs[0].index, sj.jobs[-1].index + 1
     out = []
@@ -111,11 +117,12 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
             try:
                 path, size, sha = run_shard(ctx, job)
                 f = {"path": path, "size": size, "sha256": sha, "src": inside(staging, path)}
-                entry, sent, nbytes = put_blob(f, sj.stored, _stores[sj.store], sj.level)
+                entry, sent, nbytes = put_blob(f, sj.stored, store, sj.level)
             finally:
                 inside(staging, job.path).unlink(missing_ok=True)
             out.append({"path": path, "size": size, "sha256": sha, "entry": entry, "sent": sent is not None,
-                        "sent_bytes": nbytes, "read": ck.fetched - before if ck else 0})
+                        "sent_bytes": nbytes, "read": ck.fetched - before if ck else 0,
+                        "op": store.uncommitted.pop(sent) if sj.hub and sent else None})
     finally:
         if ck:
             ck.group = None
@@ -256,11 +263,13 @@ class _StreamBuild(_Build):
     def check_scratch(self) -> None:
         """Refuse to start when the limit cannot stage the largest shard next to the metadata."""
         big = max(self.plan_.files, key=lambda f: f.nbytes)
-        need = big.nbytes + HEADER_ROOM + self.base_use
+        hub = isinstance(self.store, HubStore)  # its blob is staged whole beside it
+        need = (2 if hub else 1) * big.nbytes + HEADER_ROOM + self.base_use
         if need > self.limit:
             raise GkError(f"--scratch-limit {human_bytes(self.limit)}: cannot stage the largest shard, {big.path} "
-                          f"({human_bytes(big.nbytes)}, plus {human_bytes(self.base_use + HEADER_ROOM)} of state and "
-                          f"headers); give at least {human_bytes(need)}")
+                          f"({human_bytes(big.nbytes)}{', and its blob' if hub else ''}, plus "
+                          f"{human_bytes(self.base_use + HEADER_ROOM)} of state and headers); give at least "
+                          f"{human_bytes(need)}")
 
     def shards(self) -> None:
         t0 = time.perf_counter()
@@ -360,7 +369,7 @@ class _StreamBuild(_Build):
                       self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
         pin = self.remote.pin if self.remote else {}
         jobs = sorted((StreamJob(ctx, tuple(ShardJob(f.role, f.index, f.path, f.tensors) for f in g), self.store.uri,
-                                 pin, stored, self.level) for g in rank_groups(todo, 2 * self.jobs)),
+                                 pin, stored, self.level, self.hub) for g in rank_groups(todo, 2 * self.jobs)),
                       key=lambda j: -j.nbytes)
         budget = self.limit - self.base_use
         self.progress.task("shards", "stream shards", sum(f.nbytes for f in todo))
@@ -374,6 +383,8 @@ class _StreamBuild(_Build):
                 c["sent" if r["sent"] else "reused"] += 1
                 c["sent_bytes"] += r["sent_bytes"]
                 c["read"] += r["read"]
+            if self.hub:  # on the build's own branch, a rerun finds them
+                self.store.commit_side([r["op"] for r in records if r["op"]])
             if self.executor != "local":
                 self.progress.advance("shards", sj.nbytes)
             if self.lease:
@@ -432,32 +443,37 @@ def stream_jobs() -> int:
 def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, executor: str = "local",
                  jobs: int | None = None, force: bool = False, quiet: bool = False, compile: bool = True,
                  require_neff: bool = False, cache: str | None = None, cache_push: bool = False,
-                 level: int | None = None, sign: str | None = None) -> BuildResult:
-    """Build ``recipe`` into the store ``to`` (a folder or ``s3://``); the result's ``stream`` holds
-    the peak local disk, the blobs sent and the source bytes read. ``sign``: as ``publish --sign``
-    (a private key's PEM file, or ``sigstore``)."""
+                 level: int | None = None, sign: str | None = None, api=None, fs=None) -> BuildResult:
+    """Build ``recipe`` into the store ``to`` (a folder, ``s3://`` or ``hf://``); the result's
+    ``stream`` holds the peak local disk, the blobs sent and the source bytes read. ``sign``: as
+    ``publish --sign`` (a private key's PEM file, or ``sigstore``). ``api``/``fs``: as ``publish``'s."""
     from ..publish import codec
 
-    if to.startswith("hf://"):
-        raise GkError(f"--to {to}: streaming into a hub store is not supported yet; give a folder or s3:// store "
-                      f"(or compile, then publish)")
     t0 = time.perf_counter()
-    store = open_store(to)
+    store = open_store(to, api=api, fs=fs)
     if isinstance(store, DirStore):  # workers elsewhere (Ray) open it by an absolute path
         store = open_store(str(Path(to).resolve()))
+    hub = isinstance(store, HubStore)
+    if hub:
+        store.check_stream()  # a token, the repo and the branch, before any work
     out = scratch_folder(recipe, store.uri)
+    if hub:
+        store.staging = out / STATE_DIR / "publish"  # the index's and metadata's blobs, as publish stages them
     shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress, DiskWatch(out, worker_staging()) as disk:
         b = _StreamBuild(recipe, out, jobs or stream_jobs(), force, progress, store, scratch_limit, executor,
                          codec.LEVEL if level is None else level)
-        b.lease = None
+        b.lease, b.hub = None, None
         b.resolve()
         b.validate()
         b.plan()
         b.base_use = disk.sample()
         b.check_scratch()
         store.prepare()
+        if hub:  # its own branch: the blobs it sends are committed there until its one commit
+            store.open_side(f"gkbuild-stream-{out.name}")
+            b.hub = store.streaming()
         lease = Lease(store) if store.leases else None
         try:
             if lease:

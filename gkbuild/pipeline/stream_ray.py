@@ -6,7 +6,8 @@ Ray's behaviour relied on is the farm's (``farm.ray_run``, from ray 2.60.0's sou
 worker dies is rerun up to ``max_retries`` times; an exception a job raises is not retried
 (``retry_exceptions`` False: a bad source fails the same way each time); ``ray.cancel(ref,
 force=True)`` kills a running task. A killed task's blob is content-named and in no index (an S3
-multipart upload it began is resumed by its retry), so a lost worker leaves nothing visible.
+multipart upload it began is resumed by its retry; LFS content it sent to the hub is in no commit),
+so a lost worker leaves nothing visible.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ durable. A hub store commits once per build (``create_commit`` with the new blob
 deletions of blobs the new index no longer names; history keeps them), against the parent commit
 it read, so two concurrent publishes cannot interleave. Reading a hub store pins the commit a
 branch points to first, so a fetch never mixes two builds.
+
+A streamed build (``compile --to hf://``) sends each blob's content as soon as it is made
+(``preupload_lfs_files``), from whichever worker made it; the driver commits each job's blobs to a
+branch of the build's own, and the build's one commit copies them from there (LFS files are
+copied server-side) with the metadata and the index: until then the build's branch does not move,
+and a rerun finds on its own branch the blobs a killed run sent.
 """
 
 from __future__ import annotations
@@ -234,6 +240,11 @@ class HubStore:
         self.commit_sha: str | None = None  # the commit read from (pinned on first use)
         self.concurrency = max(8, os.cpu_count() or 1)  # network-bound: keep several downloads going
         self._tree: dict[str, int] | None = None
+        self.stream = False  # a streamed build's worker: ``writer`` sends each blob as it is closed
+        self.uncommitted: dict = {}  # blob name -> its CommitOperationAdd, content sent, in no commit yet
+        self.side: str | None = None  # a streamed build's own branch, where its blobs are committed as sent
+        self.side_sha: str | None = None
+        self._side_tree: dict[str, int] = {}
 
     @property
     def api(self):
@@ -270,13 +281,14 @@ class HubStore:
     def _tree_sizes(self) -> dict[str, int]:
         if self._tree is None:
             sha = self._pin(must_exist=self.staging is None)
-            self._tree = {}
-            if sha is not None:
-                with self._errors():
-                    for item in self.api.list_repo_tree(self.ref.repo, revision=sha, recursive=True):
-                        if getattr(item, "size", None) is not None:
-                            self._tree[item.path] = item.size
+            self._tree = self._list(sha) if sha is not None else {}
         return self._tree
+
+    def _list(self, sha: str) -> dict[str, int]:
+        """The files at a commit: path -> size."""
+        with self._errors():
+            return {item.path: item.size for item in self.api.list_repo_tree(self.ref.repo, revision=sha, recursive=True)
+                    if getattr(item, "size", None) is not None}
 
     def read_index(self) -> bytes | None:
         if NAME not in self._tree_sizes():
@@ -289,14 +301,15 @@ class HubStore:
 
     @contextlib.contextmanager
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
-        if name not in self._tree_sizes():
+        sha = self.commit_sha if name in self._tree_sizes() else self.side_sha if name in self._side_tree else None
+        if sha is None:
             raise GkError(f"{self.uri}: {name} is missing from the repo at {self.commit_sha}")
-        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=self.commit_sha,
-                                          block_size=0) as f:
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=sha, block_size=0) as f:
             yield f
 
     def stored(self) -> dict[str, int]:
-        return {k: v for k, v in self._tree_sizes().items() if k.startswith("blobs/")}
+        """Blobs present: the branch's, and those a streamed build committed to its own branch."""
+        return {k: v for k, v in {**self._side_tree, **self._tree_sizes()}.items() if k.startswith("blobs/")}
 
     def prepare(self) -> None:
         if self.staging is None:
@@ -305,28 +318,121 @@ class HubStore:
         shutil.rmtree(self.staging, ignore_errors=True)
         (self.staging / "blobs").mkdir(parents=True)
 
+    def check_stream(self) -> None:
+        """Before a streamed build does any work: a token, and the repo and branch it will commit
+        to (it sends blobs from the start and creates nothing visible before its one commit)."""
+        from huggingface_hub.errors import GatedRepoError, LocalTokenNotFoundError, RepositoryNotFoundError, \
+            RevisionNotFoundError
+
+        repo, branch = self.ref.repo, self.ref.revision
+        first = "; a streamed build does not create the repo or branch it commits to: create it first"
+        with self._errors():
+            try:
+                self.api.whoami()
+                self.commit_sha = self.api.repo_info(repo, revision=branch).sha
+            except LocalTokenNotFoundError:
+                raise GkError(f"{self.uri}: no Hugging Face token (set HF_TOKEN or run `hf auth login`): a streamed "
+                              f"build uploads as you") from None
+            except RevisionNotFoundError:
+                raise GkError(f"{self.uri}: branch {branch!r} does not exist{first} "
+                              f"(hf repos branch create {repo} {branch})") from None
+            except RepositoryNotFoundError as e:
+                if isinstance(e, GatedRepoError):
+                    raise
+                raise GkError(f"{self.uri}: repository not found on the hub (or not visible with your token)"
+                              f"{first} (hf repos create {repo} --private)") from None
+
+    def open_side(self, name: str) -> None:
+        """A streamed build's own branch ``name`` (made from the commit read if a killed run did
+        not leave it): the blobs it holds count as stored."""
+        from huggingface_hub.errors import RevisionNotFoundError
+
+        self.side = name
+        with self._errors():
+            try:
+                self.side_sha = self.api.repo_info(self.ref.repo, revision=name).sha
+            except RevisionNotFoundError:
+                self.api.create_branch(self.ref.repo, branch=name, revision=self._pin(must_exist=True))
+                self.side_sha = self.commit_sha
+        self._side_tree = self._list(self.side_sha)
+
+    def commit_side(self, ops: list) -> None:
+        """Sent blobs (their CommitOperationAdd) committed to the build's own branch: a rerun
+        after a kill finds them there."""
+        if ops:
+            with self._errors():
+                info = self.api.create_commit(self.ref.repo, ops, commit_message=f"gkbuild stream: {len(ops)} blobs",
+                                              revision=self.side)
+            self.side_sha = info.oid
+            self._side_tree.update((op.path_in_repo, op.upload_info.size) for op in ops)
+
+    def streaming(self) -> "HubStore":
+        """This store as a streamed build's workers use it (pickled to them): the driver's API
+        client (a worker node finds its own token), reads at the commits the driver pinned, and
+        each blob sent as it is written; the worker sets ``staging``."""
+        w = HubStore(self.ref, None, self._api, self._fs)
+        w.commit_sha, w._tree, w.stream = self.commit_sha, self._tree_sizes(), True
+        w.side_sha, w._side_tree = self.side_sha, self._side_tree
+        return w
+
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[BinaryIO]:
-        with naming(self.staging / name), open(self.staging / name, "wb") as f:
-            yield f
+        if not self.stream:
+            with naming(self.staging / name), open(self.staging / name, "wb") as f:
+                yield f
+            return
+        self.staging.mkdir(parents=True, exist_ok=True)
+        tmp = self.staging / f".{Path(name).name}.{os.getpid()}.partial"
+        try:
+            with naming(tmp), open(tmp, "wb") as f:
+                yield f
+            self.uncommitted[name] = self._preupload(name, tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _preupload(self, name: str, path: Path):
+        """Send a staged blob's content now (it becomes visible with the commit that lists it):
+        its CommitOperationAdd for that commit. ``preupload_lfs_files`` empties the content of an
+        operation it sent (huggingface_hub 1.33.0, hf_api.py:5541-5544); the hub keeps a small text
+        file inside the commit instead, so such an operation keeps its bytes."""
+        from huggingface_hub import CommitOperationAdd
+
+        op = CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+        with self._errors():
+            self.api.preupload_lfs_files(self.ref.repo, [op], revision=self.ref.revision, free_memory=True)
+        if op.path_or_fileobj != b"":
+            op.path_or_fileobj = path.read_bytes()
+        return op
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        self.uncommitted.clear()
 
     def commit(self, index: bytes, added: list[str], message: str) -> str:
         """One commit: the new blobs, the index, and deletions of blobs the index no longer names
         (nor a compile cache sharing the repo). huggingface_hub uploads large files through LFS
         (the hub's requirement) by itself."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+        from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete
 
         keep = live_blobs(self, index)
+        tree = self._tree_sizes()
         ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(self.staging / n)) for n in sorted(added)]
+        ops += [CommitOperationCopy(src_path_in_repo=n, path_in_repo=n, src_revision=self.side_sha)
+                for n in sorted(blobs(parse(index, NAME)) - tree.keys() - set(added)) if n in self._side_tree]
         ops.append(CommitOperationAdd(path_in_repo=NAME, path_or_fileobj=index))
-        ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(self.stored()) if n not in keep]
+        ops += [CommitOperationDelete(path_in_repo=n) for n in sorted(tree) if n.startswith("blobs/") and n not in keep]
         try:
             oid = self._commit(ops, message)
         finally:
             self.discard()
+        if self.side:
+            try:
+                with self._errors():
+                    self.api.delete_branch(self.ref.repo, branch=self.side)
+            except GkError as e:
+                from ..progress import warn
+
+                warn(f"{e} (deleting the build's own branch {self.side!r}, after its commit; delete it by hand)")
         return f"{self.uri} commit {oid}"
 
     def _commit(self, ops: list, message: str) -> str:

@@ -201,3 +201,35 @@ def test_into_a_folder_store_signed_with_a_key_it_equals_a_signed_publish(built,
     assert tree["store"] == tree["ref"] and len(tree["store"]) == len(ref_idx["files"]) + 2  # + manifest, provenance
     got = fetch(str(tmp_path / "store"), tmp_path / "got", quiet=True, trust=signing.trust_list([str(pub)]))
     assert got["signed_by"] == f"key {pub}"
+
+
+@pytest.mark.slow
+def test_a_prune_during_a_streamed_build_removes_none_of_its_blobs(built, topo_ckpt, tmp_path):
+    """A folder store holding another build; mid-stream, another publish commits with --prune: the
+    streamed build's blobs (in no index yet) stay, kept by its lease; the build then commits."""
+    from gkbuild.pipeline.pipeline import compile_build
+
+    store = tmp_path / "store"
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    publish(built, str(store), quiet=True)
+    compile_build(recipe.load(RECIPES / "tiny-cpu.yaml", ["tail.k=64"]), out=other, quiet=True, compile=False)
+    theirs = {p.name for p in (store / "blobs").iterdir()}
+    env = local(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "gkbuild", "compile", str(RECIPE), "--set", f"source={topo_ckpt}",
+                          "--to", str(store), "--scratch-limit", "24MiB", "-q", "--jobs", "1", "--no-compile"],
+                         env=dict(os.environ, **env), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline and \
+            len({q.name for q in (store / "blobs").iterdir()} - theirs) < 3:
+        time.sleep(0.05)
+    mine = {q.name for q in (store / "blobs").iterdir() if not q.name.startswith(".")} - theirs
+    rep = publish(other, str(store), quiet=True, prune=True)
+    assert p.poll() is None, "the streamed build ended before the prune: nothing was tested"
+    assert rep["pruned"] == 0 and mine <= {q.name for q in (store / "blobs").iterdir()}
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    final = index.parse((store / index.NAME).read_bytes(), "index")
+    assert {f"blobs/{n}" for n in mine} <= index.blobs(final)  # they were the streamed build's, kept for it
+    fetch(str(store), tmp_path / "got", quiet=True)
+    assert run_cli("check", str(tmp_path / "got")).returncode == 0

@@ -57,3 +57,39 @@ def test_the_ray_executor_streams_the_same_build_and_survives_a_lost_worker(s3, 
     assert report["build_id"] == ref_id and report["stream"]["executor"] == "ray"
     assert objects(client, "ray-dst", "b") == ref_objects
     assert 0 < disk.peak <= LIMIT
+
+
+RAY_TO_HUB = """
+import os, sys
+from pathlib import Path
+from gkbuild import recipe
+from gkbuild.pipeline.stream import stream_build
+from tests.publish.fake_hub import FakeHub
+hub = FakeHub(Path(sys.argv[1]))
+print(os.getpid())
+stream_build(recipe.load(sys.argv[2]), sys.argv[3], 64 << 20, executor="ray", jobs=2, quiet=True, compile=False,
+             api=hub, fs=hub)
+"""
+
+
+def test_the_ray_executor_streams_into_the_hub(cluster, built, tmp_path):
+    """The hub store travels to each task inside its job (``HubStore.streaming``: here the fake
+    hub, its state in a folder on this machine; a real one's tasks use their node's token): the
+    tasks send the shards' content themselves, the driver commits compile + publish's tree."""
+    from gkbuild.publish import index
+    from tests.conftest import RECIPES, ROOT
+    from tests.pipeline.test_stream_hub import hub_with, lfs_blobs, published
+
+    repo = "my-org/gk-ray"
+    hub = hub_with(tmp_path / "hub", repo)
+    r = subprocess.run([sys.executable, "-c", RAY_TO_HUB, str(tmp_path / "hub"), str(RECIPES / "tiny-cpu.yaml"),
+                        f"hf://{repo}@trn2"], cwd=ROOT, env=dict(os.environ, **local(tmp_path),
+                                                                 RAY_ADDRESS=cluster["gcs"]),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = hub.head(repo, "trn2")
+    assert got.tree == published(built, repo).head(repo, "trn2").tree
+    by = {path: pid for _, path, _, pid in hub.sent()}
+    shards = {e["blob"] for e in index.parse(got.tree[index.NAME], "x")["files"] if e["path"].startswith("weights/")}
+    assert shards and shards <= lfs_blobs(got.tree)
+    assert all(by[b] != int(r.stdout.split()[0]) for b in shards)  # sent by the tasks, not the driver
