@@ -11,9 +11,11 @@ and its build of the largest N at once (~33 GB at 8 layers); each is removed whe
 `--base TREE` (issue 28): also run the golden and the verify of another gkbuild tree (e.g. `git archive`
 of the commit before a change, without a venv: run with this venv's packages), alternating which goes
 first at each layer count, on the same checkpoint and build; each tree's verify is held to its own
-golden, and the two goldens are compared.
+golden, and the two goldens are compared. `--golden-only`: the goldens alone (`--repeat` of them, alternating,
+the least CPU kept), no build or verify.
 
     .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume] [--base TREE]
+                                              [--repeat N] [--golden-only]
 """
 
 from __future__ import annotations
@@ -66,63 +68,77 @@ def compare_trees(a: argparse.Namespace) -> None:
             order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
             ck, out = d / f"ck{L}", d / f"build{L}"
             run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-            for tree in order:
+            for tree in order * (a.repeat if a.golden_only else 1):
                 cmd, env = trees[tree]
                 m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
                                    str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
                                    "fp8_e4m3", "-q"], stderr=subprocess.DEVNULL, env=env, cwd=d)
-                got[tree, "golden", L] = m
+                if (tree, "golden", L) not in got or m["cpu"] < got[tree, "golden", L]["cpu"]:
+                    got[tree, "golden", L] = m  # of repeats, the one with the least CPU
                 print(f"| {tree} | golden | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
                       f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
-            run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
-                 str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
-            # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
-            # cache), which would fall on whichever tree goes first
-            run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
-                stdout=subprocess.DEVNULL)
-            for tree in order * a.repeat:
-                cmd, env = trees[tree]
-                with open(d / f"verify-{tree}{L}.json", "w") as f:
-                    m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
-                                       "-q"], stdout=f, env=env, cwd=d)
-                if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
-                    got[tree, "verify", L] = m  # of repeats, the one with the least CPU
-                rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
-                print(f"| {tree} | verify | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
-                      f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
-                print(f"|  | verify {L} layers ({tree}): ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, worst expert "
-                      f"{max(rep['experts']['worst_by_layer']):.1e} of {rep['experts']['checked']}, tail "
-                      f"{rep['tail']['norm_error']:.1e} / {rep['tail']['lm_head_error']:.1e}, local error (worst) "
-                      f"{max(rep['layer_local_errors']):.1e} | | | | | |", flush=True)
-                if "stages" in rep:
-                    print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
-                                                      for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
-            from safetensors.torch import load_file
-
-            gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
-            diff = {k: float((gb[k].double() - gn[k].double()).abs().max()) for k in gb}
-            print(f"|  | goldens at {L} layers: tokens equal {bool((gb['token_ids'] == gn['token_ids']).all())}, largest "
-                  f"difference {max(diff.values()):.1e} ({max(diff, key=diff.get)}) | | | | | |", flush=True)
+            if not a.golden_only:
+                verify_trees(a, trees, order, ck, out, L, got)
+            compare_goldens(d, L)
             shutil.rmtree(ck, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
         if len(a.layers) < 2:
             return
-        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden + verify):")
+        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden{'' if a.golden_only else ' + verify'}):")
+        kinds = ("golden",) if a.golden_only else ("golden", "verify")
         total = {}
         for tree in ("base", "new"):
             for what in ("wall", "cpu"):
                 total[tree, what] = 0.0
-                for kind in ("golden", "verify"):
+                for kind in kinds:
                     c, sl = fit(a.layers, [got[tree, kind, L][what] for L in a.layers])
                     total[tree, what] += c + sl * MODEL_LAYERS
                     print(f"- {tree} {kind} {what}: {c:.1f} s + {sl:.1f} s a layer -> "
                           f"{(c + sl * MODEL_LAYERS) / 60:.1f} min")
-            print(f"- {tree}: golden + verify at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
+            print(f"- {tree}: {' + '.join(kinds)} at {MODEL_LAYERS} layers: wall {total[tree, 'wall'] / 60:.1f} min, "
                   f"CPU {total[tree, 'cpu'] / 60:.1f} min; peak RSS "
-                  + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}"
-                              for k in ("golden", "verify") for L in a.layers))
+                  + ", ".join(f"{k} {L} layers {gib(got[tree, k, L]['rss'])}" for k in kinds for L in a.layers))
         print(f"- new / base: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
               f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
+
+
+def verify_trees(a: argparse.Namespace, trees: dict, order: list[str], ck: Path, out: Path, L: int, got: dict) -> None:
+    """The build of checkpoint ``ck`` (by the new tree) into ``out``, then each tree's verify of it against
+    its own golden, ``a.repeat`` times in ``order`` (the least CPU kept in ``got``)."""
+    d = out.parent
+    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
+         str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+    # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
+    # cache), which would fall on whichever tree goes first
+    run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
+        stdout=subprocess.DEVNULL)
+    for tree in order * a.repeat:
+        cmd, env = trees[tree]
+        with open(d / f"verify-{tree}{L}.json", "w") as f:
+            m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
+                               "-q"], stdout=f, env=env, cwd=d)
+        if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
+            got[tree, "verify", L] = m  # of repeats, the one with the least CPU
+        rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
+        print(f"| {tree} | verify | {L} | {m['wall']:.1f} s | {m['cpu']:.1f} s | {gib(m['rss'])} | "
+              f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
+        print(f"|  | verify {L} layers ({tree}): ok={rep['ok']}, max err {rep['max_abs_err']:.4f}, worst expert "
+              f"{max(rep['experts']['worst_by_layer']):.1e} of {rep['experts']['checked']}, tail "
+              f"{rep['tail']['norm_error']:.1e} / {rep['tail']['lm_head_error']:.1e}, local error (worst) "
+              f"{max(rep['layer_local_errors']):.1e} | | | | | |", flush=True)
+        if "stages" in rep:
+            print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
+                                              for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
+
+
+def compare_goldens(d: Path, L: int) -> None:
+    """The two trees' goldens at ``L`` layers: their tokens, and their largest difference."""
+    from safetensors.torch import load_file
+
+    gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
+    diff = {k: float((gb[k].double() - gn[k].double()).abs().max()) for k in gb}
+    print(f"|  | goldens at {L} layers: tokens equal {bool((gb['token_ids'] == gn['token_ids']).all())}, largest "
+          f"difference {max(diff.values()):.1e} ({max(diff, key=diff.get)}) | | | | | |", flush=True)
 
 
 def main() -> None:
@@ -135,7 +151,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="keep the measurements and files already in --dir")
     ap.add_argument("--base", help="another gkbuild tree to run beside this one, alternating (issue 28)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="with --base: verify pairs a layer count (the least CPU kept)")
+                    help="with --base: verify pairs a layer count (the least CPU kept); golden pairs with --golden-only")
+    ap.add_argument("--golden-only", action="store_true", help="with --base: time the goldens only (no build, no verify)")
     a = ap.parse_args()
     if a.base:
         return compare_trees(a)

@@ -8,16 +8,14 @@ a 16-entry e2m1 table (``FP4_VALUES``) indexed by the low nibble of each block b
 the last two axes transposed. At 120b widths it costs ~0.3 s an expert here, and a 36-layer
 golden uses ~20,000 expert matrices.
 
-So this module calls that function once on inputs that enumerate its whole domain, and keeps the
-answers as two tables:
-
-- ``quad[u]``: the four values transformers puts at elements 4c..4c+3 of a block row for the
-  little-endian u16 ``u`` of bytes 2c, 2c+1 (every one of the 65536 byte pairs, scale 127);
-- ``factor[s]``: the value of a 1.0 element at scale byte ``s`` (every s in 0..254; 255 is NaN in
-  E8M0 and refused when the checkpoint is read).
-
-``dense`` decodes a block row range as ``quad[u16] * factor[scale]``. That this equals
-transformers' ldexp for every (code, scale) pair is checked once (all 16 codes x 255 scales), and
+So this module calls that function once on inputs that enumerate its whole domain and keeps the
+answers as a table: each output element depends only on its block byte's nibble and its block's
+scale byte, so ``pairs[s << 8 | b]`` holds the two elements (low nibble first) transformers decodes
+from byte ``b`` at scale ``s``, for all 256 bytes at each of the 255 scales with a value (255 is
+NaN in E8M0 and refused when the checkpoint is read). ``dense`` decodes block rows with one lookup
+of an 8-byte pair a block byte, its index the u16 ``scale << 8 | byte``: no pass multiplies in the
+scale (issue 28: ~1.05x a 120b expert, bench/bench_hf_mxfp4.py, against a lookup of four values by
+byte pair and then that pass; the values are the same: the table holds transformers' own).
 ``check_layout`` compares ``dense`` with a real ``convert_moe_packed_tensors`` call on a whole
 expert, bit for bit (the reference does it for one expert of every layer).
 """
@@ -47,37 +45,23 @@ def _convert(blocks: np.ndarray, scales: np.ndarray) -> torch.Tensor:
 
 
 @functools.cache
-def tables() -> tuple[np.ndarray, np.ndarray]:
-    """(quad [65536, 4], factor [256]) float32, both computed by transformers' function."""
-    pairs = np.arange(1 << 16, dtype="<u2").view(np.uint8).reshape(-1, 1, 16)  # 8 byte pairs a row
-    quad = _convert(pairs, np.full(pairs.shape[:2], 127, np.uint8)).numpy().reshape(1 << 16, 4)
-    ones = np.full((SCALES, 1, 16), 0x22, np.uint8)  # code 2 is 1.0 in both nibbles
-    factor = np.full(256, np.nan, np.float32)
-    factor[:SCALES] = _convert(ones, np.arange(SCALES, dtype=np.uint8)[:, None]).numpy()[:, 0]
-    # every code at every scale: the product must be transformers' ldexp, bit for bit
-    codes = np.tile((np.arange(16, dtype=np.uint8) * 0x11)[None, None], (SCALES, 1, 1))
-    scales = np.arange(SCALES, dtype=np.uint8)[:, None]
-    want = _convert(codes, scales).numpy()
-    with np.errstate(over="ignore"):  # 6 * 2^127 is inf in both
-        got = _decode(quad, factor, codes, scales)
-    if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
-        raise GkError("the tabulated MXFP4 values differ from transformers' convert_moe_packed_tensors")
-    quad.setflags(write=False)
-    factor.setflags(write=False)
-    return quad, factor
-
-
-def _decode(quad: np.ndarray, factor: np.ndarray, blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    rows, groups = scales.shape
-    v = np.take(quad, np.ascontiguousarray(blocks).view("<u2"), axis=0).reshape(rows, groups, 32)
-    v *= factor[scales][..., None]
-    return v.reshape(rows, groups * 32)
+def tables() -> np.ndarray:
+    """pairs [65536, 2] float32, computed by transformers' function (rows of scale 255 are NaN)."""
+    every = np.tile(np.arange(256, dtype=np.uint8).reshape(1, 16, 16), (SCALES, 1, 1))  # a scale's 256 bytes a row
+    scales = np.repeat(np.arange(SCALES, dtype=np.uint8)[:, None], 16, axis=1)
+    pairs = np.full((256, 256, 2), np.nan, np.float32)
+    pairs[:SCALES] = _convert(every, scales).numpy().reshape(SCALES, 256, 2)
+    pairs = pairs.reshape(1 << 16, 2)
+    pairs.setflags(write=False)
+    return pairs
 
 
 def dense(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Block rows [R, G, 16] u8 + scales [R, G] u8 -> [R, G*32] float32, as transformers decodes them."""
-    quad, factor = tables()
-    return _decode(quad, factor, blocks, scales)
+    rows, groups = scales.shape
+    at = np.repeat(scales.reshape(-1).astype(np.uint16) << 8, blocks.shape[-1])  # a block's scale, each byte
+    at |= blocks.reshape(-1)  # u16: no index can miss the table
+    return np.take(tables(), at, axis=0).reshape(rows, groups * 32)
 
 
 def check_layout(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
@@ -91,10 +75,11 @@ def check_layout(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
         raise GkError(f"{where}: the tabulated MXFP4 decode differs from transformers' convert_moe_packed_tensors")
 
 
-def matmul_t(x: torch.Tensor, blocks: np.ndarray, scales: np.ndarray, rows: int = 128) -> torch.Tensor:
+def matmul_t(x: torch.Tensor, blocks: np.ndarray, scales: np.ndarray, rows: int = 32) -> torch.Tensor:
     """x [n, G*32] @ dense(blocks, scales).T -> [n, R], decoding ``rows`` block rows at a time so
-    the dense weights never leave the cache (each output is the same dot product), the chunks on
-    the host's cores."""
+    the dense weights never leave the core's cache (at 120b widths 32 rows are 0.37 MB of float32;
+    each output is the same dot product whatever the chunk: goldens made with 32- and 128-row chunks
+    are bit-identical), the chunks on the host's cores (or in this thread, if it is one of them)."""
     R = scales.shape[0]
     out = torch.empty(x.shape[0], R, dtype=x.dtype, device=x.device)
 

@@ -2,26 +2,36 @@
 kernels release the GIL inside their loops, so threads overlap where a process has only one
 interpreter (verify's emulated ranks are greenlets on one thread). One pool for the process: the
 reference and verify hand it tens of thousands of small chunk lists (publish's ``run_each`` makes a
-pool a call, for a few long file transfers it can cancel)."""
+pool a call, for a few long file transfers it can cancel). A call from one of the pool's own threads
+runs its items in that thread: a worker waiting on work queued behind it would wait forever."""
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 WORKERS = max(1, min(os.cpu_count() or 1, 4))
 
 
+_here = threading.local()
+
+
+def _mark() -> None:
+    _here.worker = True
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk")
+    return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk", initializer=_mark)
 
 
 def each(fn: Callable, items: Iterable) -> list:
-    """fn(item) for every item, on up to WORKERS threads; results in order, the first error raised."""
+    """fn(item) for every item, on up to WORKERS threads (in this one if it is a worker); results in
+    order, the first error raised."""
     items = list(items)
-    if WORKERS == 1 or len(items) < 2:
+    if WORKERS == 1 or len(items) < 2 or getattr(_here, "worker", False):
         return [fn(x) for x in items]
     return list(_pool().map(fn, items))

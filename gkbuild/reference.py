@@ -1,14 +1,15 @@
 """The reference model, streamed: transformers' GPT-OSS modules one decoder layer at a time.
 
-Memory is flat in layers and experts. Each pass (the prompts' common prefix, then one pass a
-position) loads one decoder layer from the memory-mapped checkpoint, runs every sequence's new
-tokens through it, and frees it. Attention, RoPE, the norms and the router are transformers' own
-modules (``GptOssAttention``, ``GptOssRotaryEmbedding``, ``GptOssRMSNorm``, ``GptOssTopKRouter``)
-loaded with the layer's weights; the experts follow transformers' ``GptOssExperts`` math (same
-order of summation), their MXFP4 weights decoded by transformers' own dequantization
-(``hf_mxfp4``), only the experts the router chose, a few rows at a time. The first pass also runs
-every expert of every layer on fixed probe rows (what verify checks each expert shard against,
-routed or not). The embedding is read row by row; the lm_head is converted to float32 once
+Memory is flat in experts, and in layers past a budget. Each pass (the prompts' common prefix, then
+one pass a position) runs every sequence's new tokens through one decoder layer at a time, loaded
+from the memory-mapped checkpoint on first use and kept for the later passes while the kept layers
+fit ``LAYERS_KEEP`` (120b: 108 MB a layer, 3.9 GB for all 36). Attention, RoPE, the norms and the
+router are transformers' own modules (``GptOssAttention``, ``GptOssRotaryEmbedding``,
+``GptOssRMSNorm``, ``GptOssTopKRouter``) loaded with the layer's weights; the experts follow
+transformers' ``GptOssExperts`` math (same order of summation), their MXFP4 weights decoded by
+transformers' own dequantization (``hf_mxfp4``), only the experts the router chose, a few rows at a
+time. The first pass also runs every expert of every layer on fixed probe rows (what verify checks
+each expert shard against, routed or not). The embedding is read row by row; the lm_head is converted to float32 once
 (in vocabulary slices) and kept while there are passes left.
 
 Prompts may differ in length: a position past a sequence's prompt takes its greedy token, so every
@@ -40,6 +41,7 @@ FP8_MAX = {"fp8_e4m3": 240.0, "fp8_e4m3fn": 448.0}
 KV_FORMATS = ("fp32", "bf16", *FP8_MAX)
 LM_HEAD_ROWS = 16384  # vocabulary rows of the lm_head converted to fp32 at a time
 LM_HEAD_KEEP = 4 << 30  # bytes of float32 lm_head kept between passes at most (120b: 2.3 GB)
+LAYERS_KEEP = 4 << 30  # bytes of float32 layer modules kept between passes at most (120b: 108 MB a layer)
 PROBES = 4  # rows every expert runs on (verify checks each expert shard against them)
 
 
@@ -177,8 +179,13 @@ class Layer:
             mod.load_state_dict(state, assign=True)
             mod.eval()
         self.ck, self.prefix, self.device, self.index = ck, p, device, i
+        self.nbytes = sum(t.nbytes for m in (self.attn, self.norm1, self.norm2, self.router)
+                          for t in m.state_dict().values())
         self.limit, self.alpha = cfg.swiglu_limit, 1.702
         self.num_experts = cfg.num_local_experts
+        for name in (f"{p}mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj")
+                     for part in ("_blocks", "_scales", "_bias")):
+            ck.read(name, 0, 0)  # its file mapped here: the experts are read on the pool's threads
 
     @staticmethod
     def _read(ck: Checkpoint, name: str, device: str) -> torch.Tensor:
@@ -207,17 +214,21 @@ class Layer:
 
     def experts(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
                 probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every token through its chosen experts: the sum over experts in ascending order, as
-        transformers' GptOssExperts adds them. With ``probe`` [n, H], every expert of the layer
+        """Every token through its chosen experts, computed on the host's cores (an expert a thread:
+        fewer waits than its chunks a thread), summed in ascending order as transformers'
+        GptOssExperts adds them. With ``probe`` [n, H], every expert of the layer
         also runs on those rows (routed or not): (out, probe outputs [E, n, H]), and the first
         expert's decode is checked against transformers' function."""
         out = torch.zeros_like(x)
         probed = None if probe is None else torch.empty(self.num_experts, *probe.shape, device=x.device)
         todo = range(self.num_experts) if probe is not None else torch.unique(idx).tolist()
-        for e in todo:
+
+        def run(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             rows = x[tok] if probe is None else torch.cat([x[tok], probe])
-            y = self.expert(e, rows, check=probe is not None and e == 0)
+            return tok, slot, self.expert(e, rows, check=probe is not None and e == 0)
+
+        for e, (tok, slot, y) in zip(todo, parallel.each(run, todo)):
             out.index_add_(0, tok, y[:len(tok)] * scores[tok, slot, None])
             if probe is not None:
                 probed[e] = y[len(tok):]
@@ -239,6 +250,23 @@ class Layer:
         moe, probed = self.experts(flat, idx, scores, probe)
         x = x + moe.reshape(P, n, H)
         return x, idx.reshape(P, n, k), gap.reshape(P, n), probed
+
+
+class _Layers:
+    """The decoder layers, each loaded on first use and kept between passes while the kept ones fit
+    ``keep`` bytes (loading reads and converts a layer's attention, norms and router to float32)."""
+
+    def __init__(self, ck: Checkpoint, cfg, device: str, keep: int):
+        self.ck, self.cfg, self.device, self.keep = ck, cfg, device, keep
+        self.kept: dict[int, Layer] = {}
+
+    def __getitem__(self, i: int) -> Layer:
+        layer = self.kept.get(i)
+        if layer is None:
+            layer = Layer(self.ck, self.cfg, i, self.device)
+            if sum(k.nbytes for k in self.kept.values()) + layer.nbytes <= self.keep:
+                self.kept[i] = layer
+        return layer
 
 
 def _mask(positions: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
@@ -308,7 +336,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
         raise GkError("every prompt needs at least one token")
     heap.reuse_large_blocks()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the parallelism is the expert chunks' (parallel.each); tiny matmuls gain nothing
+    torch.set_num_threads(1)  # the parallelism is the experts' (parallel.each); tiny matmuls gain nothing
     ck = Checkpoint.open(root)
     try:
         cfg = hf_config(root, kv)
@@ -325,6 +353,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
         ids = torch.tensor([p[:common] for p in prompts], dtype=torch.int64)
         probe = probe_rows(cfg.hidden_size).to(device)
         head = _LmHead(ck, V, keep=T > common)
+        layers = _Layers(ck, cfg, device, LAYERS_KEEP if T > common else 0)
         cache = _Cache(kv, on_kv)
         new, chunks, probed = ids, [], []
         passes = T - common + 1
@@ -336,7 +365,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
                 pos_emb = rotary(x, pos[None].to(device))
                 hid, route, gap = [], [], []
                 for i in range(L):
-                    layer = Layer(ck, cfg, i, device)
+                    layer = layers[i]
                     window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
                     x, r, g, out = layer.forward(x, pos_emb, _mask(pos, ids.shape[1], window).to(device), cache,
                                                  probe if s == 0 else None)

@@ -80,7 +80,7 @@ def test_expert_loop_matches_transformers_experts(tiny_ckpt, hf_model):
 
 def test_the_reference_decodes_mxfp4_with_transformers_not_the_builds_decoder(tiny_ckpt, streamed, monkeypatch):
     """The build's own MXFP4 decoders are not on the reference's path (a bug there stays visible
-    to verify); transformers' convert_moe_packed_tensors is (a wrong one is refused)."""
+    to verify); transformers' convert_moe_packed_tensors is (what it returns is what the reference uses)."""
     from gkbuild import hf_mxfp4
     from gkbuild.checkpoint import mxfp4
     from gkbuild.kernels import mx
@@ -95,44 +95,83 @@ def test_the_reference_decodes_mxfp4_with_transformers_not_the_builds_decoder(ti
     real = hf.convert_moe_packed_tensors
     monkeypatch.setattr(hf, "convert_moe_packed_tensors", lambda b, s, **k: -real(b, s, **k))
     hf_mxfp4.tables.cache_clear()
-    try:
-        with pytest.raises(GkError, match="differ.* convert_moe_packed_tensors"):
-            reference.run(tiny_ckpt, prompts, steps=1, kv=KvFormat("fp32"))
+    try:  # the table and each layer's check come from the function: its (negated) weights are the ones used
+        negated = reference.run(tiny_ckpt, prompts, steps=1, kv=KvFormat("fp32"))
+        # layer 0's experts on the probe rows depend on nothing but their weights
+        assert torch.isclose(negated["expert_outputs"][0], streamed["expert_outputs"][0]).float().mean() < 0.01
     finally:
         monkeypatch.undo()
         hf_mxfp4.tables.cache_clear()
 
 
-def test_tabulated_decode_is_transformers_on_every_code_and_scale():
-    """The tables hold transformers' values for all 65536 byte pairs and 255 scales, and a whole
-    expert-shaped projection decodes to its convert_moe_packed_tensors output, bit for bit."""
+def test_tabulated_decode_is_transformers_on_every_byte_and_scale():
+    """Every block byte at every scale (the table's whole domain, 0 and 254 included: subnormal and
+    infinite products), then random bytes and scales in an expert-shaped projection: the decode is
+    convert_moe_packed_tensors's output bit for bit, as GPT-OSS lays it out ([experts, G*32, R])."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from gkbuild import hf_mxfp4
 
-    quad, factor = hf_mxfp4.tables()
-    assert quad.shape == (65536, 4) and np.isnan(factor[255]) and factor[127] == 1.0
+    pairs = hf_mxfp4.tables()
+    assert pairs.shape == (65536, 2) and np.isnan(pairs[255 << 8:]).all()
+    assert tuple(pairs[127 << 8 | 0x21]) == (0.5, 1.0) and tuple(pairs[128 << 8 | 0xF8]) == (-0.0, -12.0)
+
+    def theirs(blocks, scales):  # [R, G, 16], [R, G] -> [R, G*32]: one expert, transposed back
+        return convert_moe_packed_tensors(torch.from_numpy(blocks)[None], torch.from_numpy(scales)[None],
+                                          dtype=torch.float32)[0].T.contiguous()
+
     rng = np.random.default_rng(0)
+    every = np.stack([rng.permutation(256).astype(np.uint8).reshape(16, 16) for _ in range(255)])  # a scale a row
+    scales = np.repeat(np.arange(255, dtype=np.uint8)[:, None], 16, axis=1)
+    got, want = hf_mxfp4.dense(every, scales), theirs(every, scales)
+    assert torch.isinf(want).any() and (want.abs() < 2.0 ** -126).logical_and(want != 0).any()
+    assert torch.equal(torch.from_numpy(got).view(torch.int32), want.view(torch.int32))
     blocks = rng.integers(0, 256, (96, 3, 16), dtype=np.uint8)
-    scales = rng.integers(120, 130, (96, 3), dtype=np.uint8)
-    want = convert_moe_packed_tensors(torch.from_numpy(blocks)[None], torch.from_numpy(scales)[None],
-                                      dtype=torch.float32)[0].T
-    assert torch.equal(torch.from_numpy(hf_mxfp4.dense(blocks, scales)), want)
+    scales = rng.choice(np.array([0, 1, 2, 120, 127, 130, 253, 254], np.uint8), (96, 3))
+    assert torch.equal(torch.from_numpy(hf_mxfp4.dense(blocks, scales)).view(torch.int32),
+                       theirs(blocks, scales).view(torch.int32))
     hf_mxfp4.check_layout(blocks, scales, "x")
     x = torch.randn(5, 96, dtype=torch.float32)
-    y, ref = hf_mxfp4.matmul_t(x, blocks, scales, rows=7), x @ want.T  # 7 rows at a time: the same dot products
+    scales = rng.integers(120, 130, (96, 3), dtype=np.uint8)
+    y, ref = hf_mxfp4.matmul_t(x, blocks, scales, rows=7), x @ theirs(blocks, scales).T  # 7 rows at a time
     assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
 def test_a_decode_that_departs_from_transformers_is_caught(monkeypatch):
-    """Nibbles in the wrong order (a classic MXFP4 bug) in the tables: check_layout refuses."""
+    """Nibbles in the wrong order (a classic MXFP4 bug) in the table: check_layout refuses."""
     from gkbuild import hf_mxfp4
 
-    quad, factor = hf_mxfp4.tables()
-    monkeypatch.setattr(hf_mxfp4, "tables", lambda: (np.ascontiguousarray(quad[:, [1, 0, 3, 2]]), factor))
+    pairs = hf_mxfp4.tables()
+    monkeypatch.setattr(hf_mxfp4, "tables", lambda: np.ascontiguousarray(pairs[:, ::-1]))
     blocks = np.random.default_rng(1).integers(0, 256, (8, 2, 16), dtype=np.uint8)
     with pytest.raises(GkError, match="expert 3: the tabulated MXFP4 decode differs from transformers"):
         hf_mxfp4.check_layout(blocks, np.full((8, 2), 127, np.uint8), "expert 3")
+
+
+def test_layers_are_loaded_once_while_they_fit_the_budget(tiny_ckpt, streamed, monkeypatch):
+    """A layer's modules are read and converted once a run and kept for the later passes while the
+    kept ones fit LAYERS_KEEP, and loaded again every pass past it: the same numbers either way."""
+    from gkbuild.checkpoint.reader import Checkpoint
+
+    ck = Checkpoint.open(tiny_ckpt)
+    one = reference.Layer(ck, reference.hf_config(tiny_ckpt, KvFormat("fp32")), 0, "cpu").nbytes
+    ck.close()
+    loads = []
+    real = reference.Layer.__init__
+
+    def counted(self, ck, cfg, i, device):
+        loads.append(i)
+        real(self, ck, cfg, i, device)
+
+    monkeypatch.setattr(reference.Layer, "__init__", counted)
+    prompts = streamed["token_ids"][:, :5].tolist()
+    kept = reference.run(tiny_ckpt, prompts, steps=6, kv=KvFormat("fp32"))
+    assert loads == [0, 1]  # 2 layers, 7 passes
+    monkeypatch.setattr(reference, "LAYERS_KEEP", one)  # room for one layer
+    loads.clear()
+    again = reference.run(tiny_ckpt, prompts, steps=6, kv=KvFormat("fp32"))
+    assert loads == [0] + [1] * 7
+    assert all(torch.equal(kept[k], again[k]) and torch.equal(kept[k], streamed[k]) for k in kept)
 
 
 def test_prompts_of_different_lengths_continue_greedily_to_the_longest(tiny_ckpt):
