@@ -11,7 +11,8 @@ and its build of the largest N at once (~33 GB at 8 layers); each is removed whe
 `--base TREE` (issue 28): also run the golden and the verify of another gkbuild tree (e.g. `git archive`
 of the commit before a change, without a venv: run with this venv's packages), alternating which goes
 first at each layer count, on the same checkpoint and build; each tree's verify is held to its own
-golden, and the two goldens are compared.
+golden, and the two goldens are compared (``--golden-once``: one golden, made by this tree, for a change
+that leaves the golden's code alone).
 
     .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume] [--base TREE]
 """
@@ -66,7 +67,7 @@ def compare_trees(a: argparse.Namespace) -> None:
             order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
             ck, out = d / f"ck{L}", d / f"build{L}"
             run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-            for tree in order:
+            for tree in (["new"] if a.golden_once else order):
                 cmd, env = trees[tree]
                 m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
                                    str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
@@ -76,14 +77,16 @@ def compare_trees(a: argparse.Namespace) -> None:
                       f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
             run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
                  str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+            shutil.rmtree(ck, ignore_errors=True)  # verify reads the build and the goldens only
             # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
             # cache), which would fall on whichever tree goes first
             run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
                 stdout=subprocess.DEVNULL)
             for tree in order * a.repeat:
                 cmd, env = trees[tree]
+                golden = d / f"golden-{'new' if a.golden_once else tree}{L}.safetensors"
                 with open(d / f"verify-{tree}{L}.json", "w") as f:
-                    m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
+                    m = run_cpu(cmd + ["verify", str(out), "--golden", str(golden), "--json",
                                        "-q"], stdout=f, env=env, cwd=d)
                 if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
                     got[tree, "verify", L] = m  # of repeats, the one with the least CPU
@@ -97,6 +100,9 @@ def compare_trees(a: argparse.Namespace) -> None:
                 if "stages" in rep:
                     print("|  | stages: " + ", ".join(f"{k} {v['wall']:.1f} s ({v['cpu']:.1f} s CPU)"
                                                       for k, v in rep["stages"].items()) + " | | | | | |", flush=True)
+            if a.golden_once:
+                shutil.rmtree(out, ignore_errors=True)
+                continue
             from safetensors.torch import load_file
 
             gb, gn = (load_file(str(d / f"golden-{t}{L}.safetensors")) for t in ("base", "new"))
@@ -107,6 +113,8 @@ def compare_trees(a: argparse.Namespace) -> None:
             shutil.rmtree(out, ignore_errors=True)
         if len(a.layers) < 2:
             return
+        if a.golden_once:
+            return verify_fit(a.layers, got)
         print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden + verify):")
         total = {}
         for tree in ("base", "new"):
@@ -125,6 +133,19 @@ def compare_trees(a: argparse.Namespace) -> None:
               f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
 
 
+def verify_fit(layers: list[int], got: dict) -> None:
+    """The verifies' lines through the layer counts, projected to the model's depth, and new / base."""
+    print(f"\nLinear fit of the verify over {layers} layers, projected to {MODEL_LAYERS}:")
+    total = {}
+    for tree in ("base", "new"):
+        for what in ("wall", "cpu"):
+            c, sl = fit(layers, [got[tree, "verify", L][what] for L in layers])
+            total[tree, what] = c + sl * MODEL_LAYERS
+            print(f"- {tree} verify {what}: {c:.1f} s + {sl:.1f} s a layer -> {total[tree, what] / 60:.1f} min")
+    print(f"- new / base at {MODEL_LAYERS} layers: wall {total['new', 'wall'] / total['base', 'wall']:.2f}x, "
+          f"CPU {total['new', 'cpu'] / total['base', 'cpu']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
@@ -134,6 +155,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--resume", action="store_true", help="keep the measurements and files already in --dir")
     ap.add_argument("--base", help="another gkbuild tree to run beside this one, alternating (issue 28)")
+    ap.add_argument("--golden-once", action="store_true",
+                    help="with --base: one golden a layer count, by this tree (a change that leaves the golden's "
+                         "code alone), both trees' verifies held to it")
     ap.add_argument("--repeat", type=int, default=1,
                     help="with --base: verify pairs a layer count (the least CPU kept)")
     a = ap.parse_args()
