@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import decode
+from .. import parallel
 
 
 class ExpertsAhead:
@@ -66,6 +66,7 @@ class ExpertsAhead:
             return None
 
     def _read(self) -> None:
+        parallel.one_thread()
         while (job := self._next()) is not None:
             key, out = job
             try:
