@@ -365,7 +365,8 @@ class Probe:
 def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide | None = None,
             memo: ExpertCache | None = None, probe: Probe | None = None) -> torch.Tensor:
     """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen).
-    ``probe``: every local expert also runs on the probe's rows (eager only)."""
+    ``probe``: every local expert also runs on the probe's rows (eager only). ``memo``: where decoded
+    experts come from (``ExpertCache``, or ``ahead.ExpertsAhead``: read ahead on other threads)."""
     logits = x @ t["router_weights"][i].float() + t["router_bias"][i].float()
     idx, weights = route(logits, sc.top_k, guide if sc.ep_rank == 0 else _copy(guide), i)
     lo = sc.ep_rank * sc.experts_per_rank
