@@ -12,10 +12,11 @@ and its build of the largest N at once (~33 GB at 8 layers); each is removed whe
 of the commit before a change, without a venv: run with this venv's packages), alternating which goes
 first at each layer count, on the same checkpoint and build; each tree's verify is held to its own
 golden, and the two goldens are compared. `--golden-only`: the goldens alone (`--repeat` of them, alternating,
-the least CPU kept), no build or verify.
+the least CPU kept), no build or verify. `--golden-once`: the verifies alone, both held to one golden made by
+this tree (for a change that leaves the golden's code alone).
 
     .venv/bin/python bench/bench_reference.py [--layers 2 4 8] [--dir /tmp/gkbench-ref] [--resume] [--base TREE]
-                                              [--repeat N] [--golden-only]
+                                              [--repeat N] [--golden-only | --golden-once]
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def compare_trees(a: argparse.Namespace) -> None:
             order = ["base", "new"] if n % 2 == 0 else ["new", "base"]
             ck, out = d / f"ck{L}", d / f"build{L}"
             run([GK, "synth", "gpt-oss-120b", "--layers", str(L), "--out", str(ck), "-q"])
-            for tree in order * (a.repeat if a.golden_only else 1):
+            for tree in ["new"] if a.golden_once else order * (a.repeat if a.golden_only else 1):
                 cmd, env = trees[tree]
                 m = run_cpu(cmd + ["golden", str(ck), "--out", str(d / f"golden-{tree}{L}.safetensors"), "--prompts",
                                    str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps), "--kv",
@@ -79,13 +80,14 @@ def compare_trees(a: argparse.Namespace) -> None:
                       f"{m['load'][0]:.1f} / {m['load'][1]:.1f} |", flush=True)
             if not a.golden_only:
                 verify_trees(a, trees, order, ck, out, L, got)
-            compare_goldens(d, L)
+            if not a.golden_once:
+                compare_goldens(d, L)
             shutil.rmtree(ck, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
         if len(a.layers) < 2:
             return
-        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} (golden{'' if a.golden_only else ' + verify'}):")
-        kinds = ("golden",) if a.golden_only else ("golden", "verify")
+        kinds = ("golden",) if a.golden_only else ("verify",) if a.golden_once else ("golden", "verify")
+        print(f"\nLinear fit over {a.layers} layers, projected to {MODEL_LAYERS} ({' + '.join(kinds)}):")
         total = {}
         for tree in ("base", "new"):
             for what in ("wall", "cpu"):
@@ -108,15 +110,17 @@ def verify_trees(a: argparse.Namespace, trees: dict, order: list[str], ck: Path,
     d = out.parent
     run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
          str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+    if a.golden_once:
+        shutil.rmtree(ck, ignore_errors=True)  # verify reads the build and the golden only
     # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
     # cache), which would fall on whichever tree goes first
     run([GK, "verify", str(out), "--golden", str(d / f"golden-new{L}.safetensors"), "-q"],
         stdout=subprocess.DEVNULL)
     for tree in order * a.repeat:
         cmd, env = trees[tree]
+        golden = d / f"golden-{'new' if a.golden_once else tree}{L}.safetensors"
         with open(d / f"verify-{tree}{L}.json", "w") as f:
-            m = run_cpu(cmd + ["verify", str(out), "--golden", str(d / f"golden-{tree}{L}.safetensors"), "--json",
-                               "-q"], stdout=f, env=env, cwd=d)
+            m = run_cpu(cmd + ["verify", str(out), "--golden", str(golden), "--json", "-q"], stdout=f, env=env, cwd=d)
         if (tree, "verify", L) not in got or m["cpu"] < got[tree, "verify", L]["cpu"]:
             got[tree, "verify", L] = m  # of repeats, the one with the least CPU
         rep = json.loads((d / f"verify-{tree}{L}.json").read_text())
@@ -152,7 +156,11 @@ def main() -> None:
     ap.add_argument("--base", help="another gkbuild tree to run beside this one, alternating (issue 28)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="with --base: verify pairs a layer count (the least CPU kept); golden pairs with --golden-only")
-    ap.add_argument("--golden-only", action="store_true", help="with --base: time the goldens only (no build, no verify)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--golden-only", action="store_true", help="with --base: time the goldens only (no build, no verify)")
+    how.add_argument("--golden-once", action="store_true",
+                     help="with --base: one golden a layer count, by this tree (a change that leaves the golden's "
+                          "code alone), both trees' verifies held to it")
     a = ap.parse_args()
     if a.base:
         return compare_trees(a)

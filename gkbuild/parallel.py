@@ -25,7 +25,22 @@ def _mark() -> None:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk", initializer=_mark)
+    return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk", initializer=_start)
+
+
+def _start() -> None:
+    _mark()
+    one_thread()
+
+
+def one_thread() -> None:
+    """This thread's torch kernels on one thread: the pool is the parallelism. OpenMP and MKL keep a
+    thread count a thread, and a new thread takes the process's default (the cores) whatever the
+    caller set; a matmul's sums then depended on the threads it got, so verify's numbers varied
+    from run to run when other threads were busy (without OMP_NUM_THREADS=1)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def each(fn: Callable, items: Iterable) -> list:

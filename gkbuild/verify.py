@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from .errors import GkError
+from .kernels.tail import leading
 from .progress import steps_bar
 from .reference import KvFormat, build_kv
 
@@ -65,6 +66,7 @@ NOISE_FLOOR = {"max": 1e-3, "median": 1e-5}
 BLAME_FACTOR = 10
 EXPERT_TOL = 1e-4  # relative error of an expert's output on a probe row (faithful: ~1e-7)
 TAIL_TOL = 1e-4  # relative error of the final norm's output and of the logits from it (faithful: ~1e-7)
+AHEAD_BYTES = 2 << 30  # experts read ahead of their use on another core, at most (kernels.ahead)
 
 
 class Clock:
@@ -230,19 +232,6 @@ def compare_position(ours: torch.Tensor, ref: torch.Tensor, tol: dict, div_tol: 
     else:
         verdict, ok = "wrong", False
     return ok, verdict, errs
-
-
-def leading(ref: torch.Tensor, k: int) -> torch.Tensor:
-    """The first ``k`` indices of ``ref``'s stable descending sort (ties in index order), without
-    sorting the whole vocabulary: the top-k's k-th value bounds them, so only those above it and the
-    lowest-indexed ties at it are sorted (a 201,088-entry sort a position was most of compare's time)."""
-    if k >= ref.numel() or torch.isnan(ref).any():  # NaN: the full sort's own placement
-        return torch.argsort(ref, descending=True, stable=True)[:k]
-    edge = torch.topk(ref, k).values[-1]
-    above = torch.nonzero(ref > edge).flatten()
-    ties = torch.nonzero(ref == edge).flatten()[:k - len(above)]
-    chosen = torch.cat([above, ties]).sort().values  # index order, so the stable sort keeps ties so
-    return chosen[torch.argsort(ref[chosen], descending=True, stable=True)]
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, kv: str, steps_from: int = 0,
@@ -461,7 +450,7 @@ class _Facts:
 def _replay(build, g, batch: int, engine: str, device: str, quiet: bool, clock: Clock):
     """The twins, layer-major (``kernels.replay``): logits [P, T, V] and the facts."""
     from .kernels.driver import Session
-    from .kernels.replay import FREE, Replay, live_rows
+    from .kernels.replay import Replay, live_rows
 
     P, T = g.token_ids.shape
     L = g.hidden.shape[1]
@@ -475,22 +464,30 @@ def _replay(build, g, batch: int, engine: str, device: str, quiet: bool, clock: 
     with steps_bar("verify", sum(per_layer(i) for i in range(L)) + T, quiet) as advance:
         with clock.stage("embed"):
             rp.embed(g.token_ids.T)
-        for i in range(L):
-            ref_in = None if i == 0 else g.hidden[:, i - 1].transpose(0, 1)  # [T, P, H]
-            with clock.stage("layers"):
-                out = rp.layer(i, ref_in, g.routing[:, i].transpose(0, 1), g.router_gap[:, i].T, g.expert_inputs,
-                               TIE, advance)
-            ref = g.hidden[:, i].transpose(0, 1)
-            # the last stream is the layer on the reference's input (layer 0: its input is the embedding either way)
-            f.errors[..., i], f.local[..., i] = relative(out.hidden[FREE], ref).T, relative(out.hidden[-1], ref).T
-            f.departed[..., i], f.local_departed[..., i] = out.departed[FREE].T, out.departed[-1].T
-            f.forced[..., i] = out.taken[FREE].T
-            f.probes[i] = out.probes
+        with rp.experts_ahead(AHEAD_BYTES):
+            _layers(rp, g, f, clock, advance)
         with clock.stage("tail"):
             logits = rp.tail(advance)  # [T, P, V]
     with clock.stage("tail check"):
         f.norm, f.lm_head = _tail_check(session, g)
     return logits.transpose(0, 1), f
+
+
+def _layers(rp, g, f: _Facts, clock: Clock, advance) -> None:
+    """Every layer through the replay, both streams, its facts into ``f``."""
+    from .kernels.replay import FREE
+
+    for i in range(g.hidden.shape[1]):
+        ref_in = None if i == 0 else g.hidden[:, i - 1].transpose(0, 1)  # [T, P, H]
+        with clock.stage("layers"):
+            out = rp.layer(i, ref_in, g.routing[:, i].transpose(0, 1), g.router_gap[:, i].T, g.expert_inputs,
+                           TIE, advance)
+        ref = g.hidden[:, i].transpose(0, 1)
+        # the last stream is the layer on the reference's input (layer 0: its input is the embedding either way)
+        f.errors[..., i], f.local[..., i] = relative(out.hidden[FREE], ref).T, relative(out.hidden[-1], ref).T
+        f.departed[..., i], f.local_departed[..., i] = out.departed[FREE].T, out.departed[-1].T
+        f.forced[..., i] = out.taken[FREE].T
+        f.probes[i] = out.probes
 
 
 def _stepwise(build, g, batch: int, engine: str, device: str, quiet: bool, clock: Clock, prefill=None):

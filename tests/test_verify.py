@@ -1,5 +1,7 @@
 """gkbuild verify: builds pass against transformers; broken layouts fail and are attributed."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -184,6 +186,28 @@ def test_flipped_nibbles_of_one_expert_fail_at_its_layer(tmp_path, tiny_golden, 
     monkeypatch.undo()
     rep = verify.run(out, golden=tiny_golden)
     assert not rep.ok and rep.first_bad_layer == 1
+
+
+def test_experts_read_ahead_change_no_number_of_the_report(tmp_path, tiny_golden, monkeypatch):
+    """Verify reads every rank's experts ahead on other threads (kernels.ahead): on a TP2 x EP2
+    build with one expert of one rank damaged, its report is, bit for bit, the one of a replay in
+    which each rank reads its experts when it needs them; the damaged expert is still named."""
+    from gkbuild.kernels.replay import Replay
+
+    def flip_expert_1(W):
+        W = W.copy()
+        W[1] = ((W[1] & 0x0F0F) << 4) | ((W[1] >> 4) & 0x0F0F)
+        return W
+
+    faults.nth_call(monkeypatch, experts_mx, "gate_up_weights", 2, lambda W, *a: flip_expert_1(W))
+    out = _build(tmp_path, "tp2", TP2)
+    monkeypatch.undo()
+    ahead = verify.run(out, golden=tiny_golden).to_dict()
+    monkeypatch.setattr(Replay, "experts_ahead", lambda self, budget: contextlib.nullcontext())
+    inline = verify.run(out, golden=tiny_golden).to_dict()
+    assert ahead.pop("stages") and inline.pop("stages")
+    assert ahead == inline
+    assert not ahead["ok"] and ahead["experts"]["failing"], ahead["experts"]
 
 
 def test_nonzero_padding_lanes_fail_at_layer_0(tmp_path, tiny_golden, monkeypatch):

@@ -264,18 +264,21 @@ class Expert:
         self.Ip = w.shape[-1]
         self.columns = mx.down_columns(self.Ip, t["expert_down_weights"].shape[-3]).to(w.device) if self.mx else None
 
-    def gate_up(self, cols: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def gate_up(self, cols: slice = slice(None), out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out``: a float32 buffer to read MX tiles into (``DecodedExpert``)."""
         t, i, e = self.t, self.i, self.e
         if self.mx:
-            w = mx.gate_up_rows(t["expert_gate_up_weights"][i, e][..., cols], t["expert_gate_up_weights_scale"][i, e][..., cols])
+            w = mx.gate_up_rows(t["expert_gate_up_weights"][i, e][..., cols], t["expert_gate_up_weights_scale"][i, e][..., cols],
+                                out)
             return w, mx.gate_up_bias(t["expert_gate_up_bias"][i, e])[:, cols]
         return (t["expert_gate_up_weights"][i, e][..., cols].permute(1, 2, 0).float(),
                 t["expert_gate_up_bias"][i, e][:, cols].float())
 
-    def down(self, lanes: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def down(self, lanes: slice = slice(None), out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         t, i, e = self.t, self.i, self.e
         if self.mx:
-            w = mx.down_rows(t["expert_down_weights"][i, e][..., lanes], t["expert_down_weights_scale"][i, e][..., lanes])
+            w = mx.down_rows(t["expert_down_weights"][i, e][..., lanes], t["expert_down_weights_scale"][i, e][..., lanes],
+                             out)
         else:
             w = t["expert_down_weights"][i, e][:, lanes].T.float()
         return w, t["expert_down_bias"][i, e][lanes].float()
@@ -286,11 +289,14 @@ class Expert:
 
 
 class DecodedExpert(Expert):
-    """An ``Expert`` read whole once and kept (``ExpertCache``); blocks are views."""
+    """An ``Expert`` read whole once and kept (``ExpertCache``, ``ahead``); blocks are views.
+    ``out``: float32 buffers (gate_up, down) of ``buffer_sizes`` elements that MX tiles are read
+    into (reused from expert to expert)."""
 
-    def __init__(self, t: dict, i: int, e: int, sc: Scalars):
+    def __init__(self, t: dict, i: int, e: int, sc: Scalars, out: tuple | None = None):
         super().__init__(t, i, e, sc)
-        self._gu, self._down = Expert.gate_up(self), Expert.down(self)
+        gu, down = out if out is not None and self.mx else (None, None)
+        self._gu, self._down = Expert.gate_up(self, out=gu), Expert.down(self, out=down)
 
     def gate_up(self, cols: slice = slice(None)):
         return self._gu[0][:, cols], self._gu[1][:, cols]
@@ -303,7 +309,13 @@ class DecodedExpert(Expert):
         return sum(x.nbytes for x in (*self._gu, *self._down))
 
 
-def _chunk(n: int) -> int:
+def buffer_sizes(t: dict) -> tuple[int, int]:
+    """Elements of a whole expert's float32 gate_up and down (``DecodedExpert``'s ``out``)."""
+    Ip, Hp = t["expert_gate_up_weights"].shape[-1], t["expert_down_weights"].shape[-1]
+    return 2 * Ip * Hp, Ip * Hp
+
+
+def per_core(n: int) -> int:
     """Output columns (lanes) read and multiplied at a time: one block a core. Each block is a
     strided read of the tiles; at 120b widths, 256-column blocks spent a third of an expert's time
     on the reads' setup (measured: 83 ms against 62 ms an expert, bench/RESULTS.md)."""
@@ -312,10 +324,10 @@ def _chunk(n: int) -> int:
 
 def expert_forward(ex: Expert, x: torch.Tensor, sc: Scalars) -> torch.Tensor:
     """Rows x [n, in] (the expert's input order) through one expert -> [n, Hp], its weights read
-    a block of output columns a core (``_chunk``), the blocks on the host's cores."""
+    a block of output columns a core (``per_core``), the blocks on the host's cores."""
     n = x.shape[0]
     h = torch.empty(2, n, ex.Ip, device=x.device)
-    step = _chunk(ex.Ip)
+    step = per_core(ex.Ip)
 
     def up(j: int) -> None:
         w, b = ex.gate_up(slice(j, j + step))
@@ -325,7 +337,7 @@ def expert_forward(ex: Expert, x: torch.Tensor, sc: Scalars) -> torch.Tensor:
     act = _swiglu(h[0], h[1], sc)
     act = act if ex.columns is None else act[:, ex.columns]
     y = torch.empty(n, sc.hidden_padded, device=x.device)
-    step = _chunk(sc.hidden_padded)
+    step = per_core(sc.hidden_padded)
 
     def down(lane: int) -> None:
         w, b = ex.down(slice(lane, lane + step))
@@ -353,31 +365,32 @@ class Probe:
 def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide | None = None,
             memo: ExpertCache | None = None, probe: Probe | None = None) -> torch.Tensor:
     """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen).
-    ``probe``: every local expert also runs on the probe's rows (eager only)."""
+    ``probe``: every local expert also runs on the probe's rows (eager only). ``memo``: where decoded
+    experts come from (``ExpertCache``, or ``ahead.ExpertsAhead``: read ahead on other threads)."""
     logits = x @ t["router_weights"][i].float() + t["router_bias"][i].float()
     idx, weights = route(logits, sc.top_k, guide if sc.ep_rank == 0 else _copy(guide), i)
     lo = sc.ep_rank * sc.experts_per_rank
     aff = torch.zeros_like(logits).scatter(1, idx, weights)[:, lo:lo + sc.experts_per_rank]  # [B, E_L]
     order = torch.from_numpy(hidden.sigma(sc.hidden_padded)).argsort().to(x.device)
-    if sc.experts == "mxfp4":
-        x = x[:, order]
+    ins = (lambda v: v[:, order]) if sc.experts == "mxfp4" else (lambda v: v)  # noqa: E731 - the experts' input order
     if torch.compiler.is_compiling():  # traced: the kernel's all-expert form, every token, every expert
+        x = ins(x)
         gu, gu_b, down, down_b = expert_weights(t, i, sc)
         h = _swiglu(torch.einsum("bh,ehj->ebj", x, gu[:, 0]) + gu_b[:, 0, None],
                     torch.einsum("bh,ehj->ebj", x, gu[:, 1]) + gu_b[:, 1, None], sc)
         y = torch.einsum("ebj,ejx->ebx", h, down) + down_b[:, None]
         return (aff.T[..., None] * y).sum(0)
     # eager: only the experts with routed rows (or a probe) are dequantized, each over those rows
-    # (the others have affinity 0: same numbers)
+    # (the others have affinity 0: same numbers), only those rows put in the experts' input order
     out = torch.zeros(x.shape[0], sc.hidden_padded, device=x.device)
-    px = None if probe is None else (probe.x[:, order] if sc.experts == "mxfp4" else probe.x)
+    px = None if probe is None else ins(probe.x)
     for e in range(sc.experts_per_rank):
         rows = torch.nonzero(aff[:, e]).flatten()
         if not len(rows) and px is None:
             continue
         ex = (memo.get((sc.ep_rank, i, e), lambda: DecodedExpert(t, i, e, sc)) if memo is not None
               else Expert(t, i, e, sc))
-        y = expert_forward(ex, x[rows] if px is None else torch.cat([x[rows], px]), sc)
+        y = expert_forward(ex, ins(x[rows]) if px is None else torch.cat([ins(x[rows]), px]), sc)
         out[rows] += aff[rows, e, None] * y[:len(rows)]
         if px is not None:
             probe.out[lo + e] = y[len(rows):]

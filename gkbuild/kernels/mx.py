@@ -75,12 +75,19 @@ def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return quad.to(device), torch.exp2(torch.arange(256, dtype=torch.float32) - 127).to(device)
 
 
-def _quad(u: torch.Tensor, numpy: bool | None = None) -> torch.Tensor:
+def _quad(u: torch.Tensor, numpy: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """u16 [...] -> float32 [..., 4] through the table: numpy's take on the CPU (3x torch's
-    indexing there), torch's indexing on a device."""
+    indexing there), torch's indexing on a device. ``out``: a contiguous float32 buffer of that
+    many elements to fill (CPU), e.g. one reused from expert to expert."""
     quad, _ = _tables(str(u.device))
     if u.device.type == "cpu" if numpy is None else numpy:
-        return torch.from_numpy(np.take(quad.numpy(), np.ascontiguousarray(u.numpy().view(np.uint16)), axis=0))
+        idx = np.ascontiguousarray(u.numpy().view(np.uint16))
+        if out is None:
+            return torch.from_numpy(np.take(quad.numpy(), idx, axis=0))
+        into = out.view(*idx.shape, 4)
+        # every u16 is a row of the table: "clip" never clips, and unlike "raise" fills ``out`` unbuffered
+        np.take(quad.numpy(), idx, axis=0, out=into.numpy(), mode="clip")
+        return into
     return quad[u.view(torch.int16).to(torch.int32) & 0xFFFF]
 
 
@@ -88,26 +95,26 @@ def _factor(s: torch.Tensor) -> torch.Tensor:
     return _tables(str(s.device))[1][s.to(torch.int64)]
 
 
-def gate_up_rows(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+def gate_up_rows(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up tiles W [..., 128, 2, Hp/512, Ip], S [..., 16, 2, Hp/512, Ip] -> [..., 2, Ip (column
-    j), Hp (hidden h)] float32: ``gate_up`` transposed."""
+    j), Hp (hidden h)] float32: ``gate_up`` transposed (into ``out`` when given: ``_quad``)."""
     *lead, P, G, nht, Ip = W.shape
     n = len(lead)
-    w = _quad(W.permute(*range(n), n + 1, n + 3, n + 2, n))  # [.., g, j, ht, p, nibble]: h = 512 ht + 4 p + nibble
+    w = _quad(W.permute(*range(n), n + 1, n + 3, n + 2, n), out=out)  # [.., g, j, ht, p, nibble]: h = 512 ht + 4 p + nibble
     s = _factor(S.permute(*range(n), n + 1, n + 3, n + 2, n))  # [.., g, j, ht, p // 8]
-    w = w.reshape(*lead, G, Ip, nht, 16, 32) * s[..., None]
+    w = w.reshape(*lead, G, Ip, nht, 16, 32).mul_(s[..., None])  # a power of two: exact in place
     return w.reshape(*lead, G, Ip, nht * P * 4)
 
 
-def down_rows(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+def down_rows(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """down tiles W [..., P_I, Ip/512, Hp], S [..., P_I/8, Ip/512, Hp] -> [..., Hp (lane x), Ip]
     float32, the columns in the order j' = 512*it + 4*p + q (the tile's own); ``down_columns``
-    says which kernel column j each holds."""
+    says which kernel column j each holds (into ``out`` when given)."""
     *lead, P, nit, Hp = W.shape
     n = len(lead)
-    w = _quad(W.permute(*range(n), n + 2, n + 1, n))  # [.., x, it, p, q]
+    w = _quad(W.permute(*range(n), n + 2, n + 1, n), out=out)  # [.., x, it, p, q]
     s = _factor(S.permute(*range(n), n + 2, n + 1, n))  # [.., x, it, p // 8]
-    w = w.reshape(*lead, Hp, nit, P // 8, 32) * s[..., None]
+    w = w.reshape(*lead, Hp, nit, P // 8, 32).mul_(s[..., None])
     return w.reshape(*lead, Hp, nit * P * 4)
 
 

@@ -19,6 +19,7 @@ place in every collective and every layout index.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from typing import Callable
 
 import torch
 
+from .. import parallel
 from ..layout import hidden as hidden_layout
 from . import decode, tail
+from .ahead import ExpertsAhead
 from .driver import Session
 
 FREE, LOCAL = 0, 1
@@ -144,6 +147,28 @@ class Replay:
         self.live_in_replica = [torch.nonzero(live[d * per:(d + 1) * per]).flatten().to(self.dev)
                                 for d in range(s.dp)]
         self.x = [[torch.zeros(positions, self.t_shard, self.hp, device=self.dev)] for _ in range(self.world)]
+        self.ahead: ExpertsAhead | None = None
+
+    @contextlib.contextmanager
+    def experts_ahead(self, budget: int):
+        """While inside, every rank's experts of every layer are read on the host's cores ahead of
+        their use (``kernels.ahead``), at most ``budget`` bytes of them at once (at least two
+        experts); the readers are stopped on leaving."""
+        s = self.s
+        E_L = s.scalars[0].experts_per_rank
+        sizes = decode.buffer_sizes(s.tensors[0])
+        rank = {sc.ep_rank: r for r, sc in enumerate(s.scalars)}  # experts are asked for by EP rank
+
+        def read(ep: int, i: int, e: int, out: tuple) -> decode.DecodedExpert:
+            return decode.DecodedExpert(s.tensors[rank[ep]], i, e, s.scalars[rank[ep]], out)
+
+        guess = [(ep, e) for ep in rank for e in range(E_L)]
+        with ExpertsAhead(read, sizes, guess, self.L, max(2, budget // (4 * sum(sizes))), parallel.WORKERS) as ahead:
+            self.ahead = ahead
+            try:
+                yield
+            finally:
+                self.ahead = None
 
     # -- layout helpers ------------------------------------------------------------------------
     def to_kernel(self, h: torch.Tensor) -> torch.Tensor:
@@ -223,7 +248,7 @@ class Replay:
             xn = shared.get(("moe input", id(M), Shared.key(gamma), sc.eps, sc.hidden_actual),
                             lambda: decode.rms_norm(M[sel], shared.float(gamma), sc.eps, sc.hidden_actual))
             probe_ = decode.Probe(probe_k)
-            out = decode.experts(t, i, xn, sc, guide, probe=probe_)
+            out = decode.experts(t, i, xn, sc, guide, memo=self.ahead, probe=probe_)
             del xn
             hit = torch.nonzero(out.abs().sum(-1)).flatten()  # the rows this rank's experts add to
             values = out[hit]
@@ -264,7 +289,7 @@ class Replay:
             t, sc = s.tensors[r], s.scalars[r]
             h = torch.stack([comm.all_gather(self.x[r][FREE][pos], "ep")[live] for pos in range(self.T)])
             mine = tail.lm_head(h.reshape(-1, self.hp), t["gamma"], t["lm_head_weight_t"], sc.eps,
-                                sc.hidden_actual).reshape(self.T, len(live), -1)
+                                sc.hidden_actual, tail.by_columns).reshape(self.T, len(live), -1)
             owned = torch.tensor(s.owned[r], device=self.dev)
             owned_live = torch.nonzero(torch.isin(owned, live)).flatten()
             for pos in range(self.T):
@@ -315,6 +340,6 @@ def tail_on(session: Session, final_hidden: torch.Tensor, final_norm: torch.Tens
         normed = decode.rms_norm(h.to(dev), t["gamma"].float(), sc.eps, sc.hidden_actual)
         worst = torch.maximum(worst, norm_error(to_hf(normed, session.H)))
         if r < session.vtp:
-            logits.append((n.to(dev) @ t["lm_head_weight_t"].float()).cpu())
+            logits.append(tail.by_columns(n.to(dev), t["lm_head_weight_t"]).cpu())
     session.build.release_pages("weights/")
     return worst, torch.cat(logits, dim=-1)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import rms_norm
+from .. import parallel
+from .decode import per_core, rms_norm
 
 GREEDY_BELOW = 1e-5
 DEFAULT_DRAW = 0.5
@@ -33,14 +34,48 @@ class TailOut:
     logits: torch.Tensor | None  # [gbs, V_s] fp32, this rank's vocab slice (emit_logits)
 
 
-def lm_head(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, eps: float, hidden_actual: int):
+def lm_head(hidden: torch.Tensor, gamma: torch.Tensor, w_t: torch.Tensor, eps: float, hidden_actual: int,
+            matmul=lambda x, w: x @ w.to(torch.float32)):
+    """``matmul``: how ``x @ w`` is made (``by_columns`` where eager)."""
     h = rms_norm(hidden, gamma, eps, hidden_actual)
-    return h.to(torch.bfloat16).to(torch.float32) @ w_t.to(torch.float32)
+    return matmul(h.to(torch.bfloat16).to(torch.float32), w_t)
+
+
+def by_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` in float32, a block of w's columns a core (eager only: verify's 128 vocab ranks
+    each multiply a [positions, Hp] x [Hp, V/128] slice inside one-thread greenlets); each column's
+    sum is the one matmul makes."""
+    out = torch.empty(x.shape[0], w.shape[1], device=x.device)
+    step = per_core(w.shape[1])
+
+    def block(j: int) -> None:
+        out[:, j:j + step] = x @ w[:, j:j + step].to(torch.float32)
+
+    parallel.each(block, range(0, w.shape[1], step))
+    return out
 
 
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
-    return v[..., :k], i[..., :k]
+    """Each row's k largest, in the order of a stable descending sort (ties: the lower index first).
+    Eager (verify's 128 vocab ranks at every position), row by row through ``leading``."""
+    if torch.compiler.is_compiling() or x.dim() != 2 or not len(x):
+        v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+        return v[..., :k], i[..., :k]
+    i = torch.stack([leading(row, k) for row in x])
+    return x.gather(1, i), i
+
+
+def leading(ref: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` indices of ``ref``'s stable descending sort (ties in index order), without
+    sorting the whole vocabulary: the top-k's k-th value bounds them, so only those above it and the
+    lowest-indexed ties at it are sorted (a 201,088-entry sort a position was most of compare's time)."""
+    if k >= ref.numel() or torch.isnan(ref).any():  # NaN: the full sort's own placement
+        return torch.argsort(ref, descending=True, stable=True)[:k]
+    edge = torch.topk(ref, k).values[-1]
+    above = torch.nonzero(ref > edge).flatten()
+    ties = torch.nonzero(ref == edge).flatten()[:k - len(above)]
+    chosen = torch.cat([above, ties]).sort().values  # index order, so the stable sort keeps ties so
+    return chosen[torch.argsort(ref[chosen], descending=True, stable=True)]
 
 
 def sample(values: torch.Tensor, indices: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
