@@ -13,17 +13,21 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def moto_server(recording: str | None = None) -> Iterator[str]:
+def moto_server(recording: str | None = None, server: list[str] | None = None,
+                log: str | None = None) -> Iterator[str]:
     """Start moto's S3 server on a free port of 127.0.0.1 and point the AWS chain at it (endpoint,
     dummy credentials, no profile files, no instance-metadata lookups); yields the endpoint URL;
     stops the server and restores the environment on exit. Nothing reaches beyond this machine.
     ``recording``: the file moto's request recorder writes to (``/moto-api/recorder/...``), for a
-    test that counts requests."""
+    test that counts requests. ``server``: the command that starts it, given moto's server
+    arguments (``python -m moto.server`` unless told; the benchmarks' ``bench/moto_ranged.py``);
+    ``log``: a file for what the server prints (its tracebacks; else nothing is kept)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen([*(server or [sys.executable, "-m", "moto.server"]), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=out, stderr=subprocess.STDOUT,
                             env=dict(os.environ, **({"MOTO_RECORDER_FILEPATH": recording} if recording else {})))
     url = f"http://127.0.0.1:{port}"
     env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -47,6 +51,8 @@ def moto_server(recording: str | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if log:
+            out.close()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

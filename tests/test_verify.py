@@ -158,8 +158,8 @@ def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_p
 
 
 def test_swapped_tp_shards_fail_at_layer_0(tmp_path, tiny_golden, monkeypatch):
-    orig = attention.qkv
-    monkeypatch.setattr(attention, "qkv", lambda dims, t, *a: orig(dims, 1 - t, *a))
+    orig = attention.heads
+    monkeypatch.setattr(attention, "heads", lambda dims, t: orig(dims, 1 - t))
     out = _build(tmp_path, "swap", TP2)
     monkeypatch.undo()
     rep = verify.run(out, golden=tiny_golden)
@@ -257,8 +257,8 @@ def test_golden_file_and_cli(tmp_path, tiny_golden):
 def test_cli_failure_is_one_line_and_nonzero(tmp_path, tiny_golden, monkeypatch):
     g = tmp_path / "g.safetensors"
     tiny_golden.save(g)
-    orig = attention.qkv
-    monkeypatch.setattr(attention, "qkv", lambda dims, t, *a: orig(dims, 1 - t, *a))
+    orig = attention.heads
+    monkeypatch.setattr(attention, "heads", lambda dims, t: orig(dims, 1 - t))
     out = _build(tmp_path, "swap", TP2)
     monkeypatch.undo()
     r = run_cli("verify", str(out), "--golden", str(g))

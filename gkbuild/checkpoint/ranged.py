@@ -16,10 +16,9 @@ relied on, from the installed wheels (fsspec 2026.9.0, s3fs 2026.9.0, huggingfac
   A hub read is pinned to the commit the revision pointed to when the driver listed the repo,
   and an LFS file's sha256 comes from the listing's ``lfs`` entry (:622) without reading it.
 
-A small memo keeps the last ranges read (bounded in bytes): a producer that asks for the same
-tensor twice (the fused QKV for its weight and its bias) costs one GET. A job of several
-consecutive shards of one role (``group``: experts r0..r1, vocab slices v0..v1) fetches each
-tensor's rows for the whole group in one GET when that is small (``WINDOW``), and cuts each
+A job of several consecutive shards of one role (``group``: experts r0..r1, vocab slices v0..v1,
+TP ranks' heads) fetches each tensor's rows for the whole group in one GET when that is small
+(``WINDOW``), keeps it in a small memo of the last ranges read (bounded in bytes), and cuts each
 shard's slice from it: a tiny model's thousands of small slices become a few GETs, and every
 byte is still read once (groups do not overlap).
 """
@@ -39,7 +38,7 @@ from ..model import GptOssConfig
 from .reader import INDEX, MAX_INDEX, SINGLE, Checkpoint, weight_map
 from .safetensors_io import header_bytes, parse_header
 
-MEMO_BYTES = 128 << 20  # a 120b layer's q/k/v (30 MB) with room to spare; one memo a worker
+MEMO_BYTES = 128 << 20  # many group windows (WINDOW each) with room to spare; one memo a worker
 WINDOW = 8 << 20  # the most a group's read-ahead of one tensor fetches at once
 MAX_CONFIG = 1 << 20
 

@@ -13,16 +13,21 @@ from . import arrays, hidden, replicated
 from .dims import Dims
 
 
-def _rows(w: np.ndarray, heads: list[int], d: int) -> np.ndarray:
-    return np.concatenate([w[h * d:(h + 1) * d] for h in heads], axis=0)
-
-
-def qkv(dims: Dims, t: int, q_w, k_w, v_w, q_b, k_b, v_b) -> tuple[np.ndarray, np.ndarray]:
-    """HF q/k/v projections -> (W_qkv [Hp, (q_l+2kv_l)*d], bias_qkv [1, (q_l+2kv_l)*d]) for TP rank t."""
+def heads(dims: Dims, t: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """TP rank t's q heads [q0, q1) and kv heads [k0, k1). Both are contiguous, so a rank reads
+    only its rows of q/k/v (head h is rows [h*d, (h+1)*d)) and of the sinks."""
     qh, kh = dims.q_heads_of(t), dims.kv_heads_of(t)
-    w = np.concatenate([_rows(q_w, qh, dims.d), _rows(k_w, kh, dims.d), _rows(v_w, kh, dims.d)])
-    b = np.concatenate([_rows(q_b, qh, dims.d), _rows(k_b, kh, dims.d), _rows(v_b, kh, dims.d)])
-    return hidden.to_kernel_t(w, dims.Hp), b[None, :]
+    return (qh[0], qh[-1] + 1), (kh[0], kh[-1] + 1)
+
+
+def qkv_weight(dims: Dims, q_w, k_w, v_w) -> np.ndarray:
+    """A TP rank's rows (``heads``) of the HF q/k/v weights -> W_qkv [Hp, (q_l+2kv_l)*d]."""
+    return hidden.to_kernel_t(np.concatenate([q_w, k_w, v_w]), dims.Hp)
+
+
+def qkv_bias(q_b, k_b, v_b) -> np.ndarray:
+    """A TP rank's rows (``heads``) of the HF q/k/v biases -> bias_qkv [1, (q_l+2kv_l)*d]."""
+    return np.concatenate([q_b, k_b, v_b])[None, :]
 
 
 def qkv_inverse(dims: Dims, shards: list[tuple[np.ndarray, np.ndarray]]):
@@ -94,9 +99,9 @@ def o_bias_inverse(dims: Dims, r: np.ndarray) -> np.ndarray:
     return (replicated.row_inverse(dims, r).astype(np.float32) * np.float32(dims.tp)).astype(r.dtype)
 
 
-def sink(dims: Dims, t: int, sinks: np.ndarray) -> np.ndarray:
-    """HF sinks [q] -> [q_l, 1] for TP rank t."""
-    return np.ascontiguousarray(sinks[t * dims.q_l:(t + 1) * dims.q_l, None])
+def sink(sinks: np.ndarray) -> np.ndarray:
+    """A TP rank's HF sinks (its q heads, ``heads``) -> [q_l, 1]."""
+    return np.ascontiguousarray(sinks[:, None])
 
 
 def sink_inverse(shards: list[np.ndarray]) -> np.ndarray:

@@ -155,23 +155,29 @@ def _embed(ctx: Context, ck: Checkpoint, index: int) -> dict:
 
 
 def _attn(ctx: Context, ck: Checkpoint, t: int) -> dict:
+    """TP rank t's attention: it reads only its heads' rows of q/k/v (weights and biases apart, each
+    once) and of the sinks. o_proj is read whole, one range a layer: the rank's columns are 1/tp of
+    every row (strided), and S3 or the hub serve one range a GET, so reading only them would take
+    a GET a row (2,880 of 1 KiB a layer for 120b) where one GET of tp times the bytes is cheaper."""
     d = ctx.dims
-    qkv_names = [f"self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+    (q0, q1), (k0, k1) = attention.heads(d, t)
+    rows = {"q": (q0 * d.d, q1 * d.d), "k": (k0 * d.d, k1 * d.d), "v": (k0 * d.d, k1 * d.d)}
 
-    def fused(layer, which):
-        qw, qb, kw, kb, vw, vb = (ck.read(_layer(layer, n)) for n in qkv_names)
-        out = attention.qkv(d, t, qw, kw, vw, qb, kb, vb)[which]
-        for n in qkv_names:
-            ck.release(_layer(layer, n))
-        return out
+    def qkv(kind: str, fn):
+        def one(layer):
+            parts = [(_layer(layer, f"self_attn.{p}_proj.{kind}"), *rows[p]) for p in "qkv"]
+            out = fn(*(ck.read(n, lo, hi) for n, lo, hi in parts))
+            for n, lo, hi in parts:
+                ck.release(n, lo, hi)
+            return out
+        return _per_layer(one)
 
     return {
-        "W_qkv": _per_layer(lambda layer: fused(layer, 0)),
-        "bias_qkv": _per_layer(lambda layer: fused(layer, 1)),
+        "W_qkv": qkv("weight", lambda q, k, v: attention.qkv_weight(d, q, k, v)),
+        "bias_qkv": qkv("bias", attention.qkv_bias),
         "W_out": _per_layer(lambda layer: _read_layer(
             ck, layer, "self_attn.o_proj.weight", fn=lambda a: attention.w_out(d, t, a, ctx.v_scale))),
-        "sink": _per_layer(lambda layer: _read_layer(ck, layer, "self_attn.sinks",
-                                                      fn=lambda a: attention.sink(d, t, a))),
+        "sink": _per_layer(lambda layer: _read_layer(ck, layer, "self_attn.sinks", q0, q1, attention.sink)),
     }
 
 

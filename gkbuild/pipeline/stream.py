@@ -493,5 +493,6 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
                   "blobs_sent": b.counts["sent"] + report["uploaded_files"],
                   "bytes_sent": b.counts["sent_bytes"] + report["uploaded_bytes"],
                   "shards_already_stored": b.counts["reused"] + b.counts["skipped"],
-                  "source_bytes": source_bytes, "source_read": b.counts["read"] + b.hash_read}
+                  "source_bytes": source_bytes, "source_read": b.counts["read"] + b.hash_read,
+                  "source_hashed": b.hash_read}
     return res

@@ -28,6 +28,14 @@ def _hf_attn(rng, q, kv, d, H):
                 v_b=f(kv * d), o_w=f(H, q * d), sinks=f(q))
 
 
+def _qkv(dims, t, w):
+    """TP rank t's (W_qkv, bias_qkv) from only its heads' rows of q/k/v, as a build reads them."""
+    (q0, q1), (k0, k1) = attention.heads(dims, t)
+    r = lambda name, h0, h1: w[name][h0 * dims.d:h1 * dims.d]  # noqa: E731
+    return (attention.qkv_weight(dims, r("q_w", q0, q1), r("k_w", k0, k1), r("v_w", k0, k1)),
+            attention.qkv_bias(r("q_b", q0, q1), r("k_b", k0, k1), r("v_b", k0, k1)))
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from([(8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (64, 8, 8), (64, 8, 16), (4, 4, 2)]),
        st.integers(0, 2**31))
@@ -37,8 +45,7 @@ def test_qkv_out_sink_roundtrip(heads, seed):
     rng = np.random.default_rng(seed)
     w = _hf_attn(rng, q, kv, d, H)
     dims = Dims.of(_cfg(q, kv, d, H), tp=tp)
-    shards = [attention.qkv(dims, t, w["q_w"], w["k_w"], w["v_w"], w["q_b"], w["k_b"], w["v_b"])
-              for t in range(tp)]
+    shards = [_qkv(dims, t, w) for t in range(tp)]
     for W, B in shards:
         assert W.shape == (dims.Hp, (dims.q_l + 2 * dims.kv_l) * d) and B.shape == (1, W.shape[1])
         assert W.flags.c_contiguous
@@ -52,7 +59,7 @@ def test_qkv_out_sink_roundtrip(heads, seed):
     # a power-of-two v_scale folds exactly and unfolds exactly
     outs = [attention.w_out(dims, t, w["o_w"], v_scale=0.25) for t in range(tp)]
     assert np.array_equal(_bits(attention.w_out_inverse(dims, outs, v_scale=0.25)), _bits(w["o_w"]))
-    sinks = [attention.sink(dims, t, w["sinks"]) for t in range(tp)]
+    sinks = [attention.sink(w["sinks"][slice(*attention.heads(dims, t)[0])]) for t in range(tp)]
     assert sinks[0].shape == (dims.q_l, 1)
     assert np.array_equal(_bits(attention.sink_inverse(sinks)), _bits(w["sinks"]))
 
@@ -76,7 +83,7 @@ def test_replicated_kv_heads_must_agree():
     w = _hf_attn(rng, q, kv, d, H)
     dims = Dims.of(_cfg(q, kv, d, H), tp=tp)
     assert [dims.kv_heads_of(t) for t in range(tp)] == [[0], [0], [1], [1]]
-    shards = [attention.qkv(dims, t, w["q_w"], w["k_w"], w["v_w"], w["q_b"], w["k_b"], w["v_b"]) for t in range(tp)]
+    shards = [_qkv(dims, t, w) for t in range(tp)]
     W, B = shards[1]
     W = W.copy()
     W[0, q // tp * d] = BF(123.0)  # first K column of rank 1, a replica of kv head 0
@@ -95,7 +102,7 @@ def test_kernel_reader_attention_matches_hf():
     xk = hidden.to_kernel(x, 1, dims.Hp)
     f32 = lambda a: a.astype(np.float32)  # noqa: E731
     for t in range(tp):
-        W, B = attention.qkv(dims, t, w["q_w"], w["k_w"], w["v_w"], w["q_b"], w["k_b"], w["v_b"])
+        W, B = _qkv(dims, t, w)
         out = xk @ f32(W) + f32(B)
         qh = dims.q_heads_of(t)
         kh = dims.kv_heads_of(t)

@@ -75,13 +75,16 @@ def _expected(r, ck, plan, f) -> dict[str, np.ndarray]:
     if f.role == "attn":
         t = f.index
 
-        def qkv(i, k):
-            a = [rd(p(i) + f"self_attn.{x}_proj.{y}") for x in "qkv" for y in ("weight", "bias")]
-            return attention.qkv(d, t, a[0], a[2], a[4], a[1], a[3], a[5])[k]
+        (q0, q1), (k0, k1) = attention.heads(d, t)
 
-        return {"W_qkv": st(lambda i: qkv(i, 0)), "bias_qkv": st(lambda i: qkv(i, 1)),
+        def rows(i, x, y):  # the whole tensor read, then the rank's heads cut from it
+            h0, h1 = (q0, q1) if x == "q" else (k0, k1)
+            return rd(p(i) + f"self_attn.{x}_proj.{y}")[h0 * d.d:h1 * d.d]
+
+        return {"W_qkv": st(lambda i: attention.qkv_weight(d, *(rows(i, x, "weight") for x in "qkv"))),
+                "bias_qkv": st(lambda i: attention.qkv_bias(*(rows(i, x, "bias") for x in "qkv"))),
                 "W_out": st(lambda i: attention.w_out(d, t, rd(p(i) + "self_attn.o_proj.weight"))),
-                "sink": st(lambda i: attention.sink(d, t, rd(p(i) + "self_attn.sinks")))}
+                "sink": st(lambda i: attention.sink(rd(p(i) + "self_attn.sinks")[q0:q1]))}
     if f.role == "expert":
         lo, hi = f.index * d.E_L, (f.index + 1) * d.E_L
         e = lambda i, n: rd(p(i) + "mlp.experts." + n, lo, hi)  # noqa: E731

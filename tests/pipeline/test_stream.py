@@ -162,6 +162,34 @@ def objects_names(client, bucket: str, prefix: str) -> list[str]:
             for o in page.get("Contents", [])]
 
 
+@pytest.mark.slow
+def test_a_streamed_build_from_s3_reads_each_source_byte_about_once(s3, topo_ckpt, tmp_path):
+    """The bytes a streamed build reads by range, against the source's tensors. Each TP rank reads
+    only its heads' rows of q/k/v and the sinks, and each shard its own rows of the rest, so every
+    tensor byte is read once, but o_proj: every rank reads it whole (its columns are 1/tp of each
+    row; one GET of the whole tensor is cheaper than a GET a row: ``emit._attn``), tp times at
+    most (a worker's memo of recent ranges may serve a later rank's). So the ranges lie between
+    the tensors' bytes and that plus (tp - 1) o_projs: 1.27x of the tensors for this model.
+    (``test_emit_reads`` counts a rank's reads exactly, without the memo.) A fresh cache also
+    hashes each file whole, once (``source_hashed``)."""
+    from gkbuild.checkpoint.reader import Checkpoint
+    from gkbuild.layout.dims import Dims
+
+    _, client = s3
+    client.create_bucket(Bucket="reads")
+    r = stream("s3://reads/b", local(tmp_path))
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)["stream"]
+    ck = Checkpoint.open(topo_ckpt)
+    dims = Dims.of(ck.config, tp=recipe.load(RECIPE).topology.tp)
+    assert dims.kv >= dims.tp  # no kv head is replicated over ranks: each k/v row has one reader
+    tensors = sum(i.nbytes for i in ck.where.values())
+    o_proj = sum(i.nbytes for n, i in ck.where.items() if n.endswith("self_attn.o_proj.weight"))
+    assert st["source_hashed"] == st["source_bytes"]  # a fresh cache: every file hashed, whole, once
+    ranges = st["source_read"] - st["source_hashed"]
+    assert tensors <= ranges <= tensors + (dims.tp - 1) * o_proj, (ranges / tensors, o_proj / tensors)
+
+
 def test_a_scratch_limit_that_cannot_stage_the_largest_shard_is_refused_up_front(topo_ckpt, tmp_path):
     env = local(tmp_path)
     r = run_cli("compile", str(RECIPE), "--set", f"source={topo_ckpt}", "--to", str(tmp_path / "store"),
