@@ -286,7 +286,9 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
             st = res.stream
             out.print(f"-> {st['where']}: {st['blobs_sent']} blobs sent ({human_bytes(st['bytes_sent'])}), "
                       f"{st['shards_already_stored']} shards already stored; peak local disk "
-                      f"{human_bytes(st['peak_disk'])} of {human_bytes(st['scratch_limit'])}; source read "
+                      f"{human_bytes(st['peak_disk'])} of {human_bytes(st['scratch_limit'])}"
+                      + (f" (Ray nodes' staging: {human_bytes(st['peak_disk_workers'])} at the most)"
+                         if st.get("peak_disk_workers") is not None else "") + "; source read "
                       f"{human_bytes(st['source_read'])} of {human_bytes(st['source_bytes'])}")
 
 

@@ -87,7 +87,11 @@ _stores: dict = {}
 
 def run_stream_shard(sj: StreamJob) -> list[dict]:
     """Emit each shard of the group into staging, store it as a blob, delete the staged file: each
-    shard's record (path, size, sha256, index entry, whether its blob was sent, source bytes read)."""
+    shard's record (path, size, sha256, index entry, whether its blob was sent, source bytes read).
+    A Ray task (no ``out_dir``: it stages under its node's cache) also records the peak its node's
+    staging folder reached while it ran (``node_disk``; concurrent tasks on the node are in it), which
+    the driver, on another host, cannot see."""
+    import contextlib
     import shutil
     import uuid
 
@@ -109,26 +113,35 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
     ctx = replace(sj.ctx, out_dir=str(staging))
     first, end = sj.jobs[0].index, sj.jobs[-1].index + 1
     out = []
+    watch = DiskWatch(worker_staging()) if own else contextlib.nullcontext()
     try:
-        for job in sj.jobs:
-            before = ck.fetched if ck else 0
-            if ck:
-                ck.group = (first, end, job.index)
-            try:
-                path, size, sha = run_shard(ctx, job)
-                f = {"path": path, "size": size, "sha256": sha, "src": inside(staging, path)}
-                entry, sent, nbytes = put_blob(f, sj.stored, store, sj.level)
-            finally:
-                inside(staging, job.path).unlink(missing_ok=True)
-            out.append({"path": path, "size": size, "sha256": sha, "entry": entry, "sent": sent is not None,
-                        "sent_bytes": nbytes, "read": ck.fetched - before if ck else 0,
-                        "op": store.uncommitted.pop(sent) if sj.hub and sent else None})
+        with watch:
+            _emit_group(sj, ctx, ck, store, staging, first, end, out)
     finally:
         if ck:
             ck.group = None
         if own:
             shutil.rmtree(staging, ignore_errors=True)
+    for r in out if own else ():
+        r["node_disk"] = watch.peak
     return out
+
+
+def _emit_group(sj: StreamJob, ctx: Context, ck, store, staging: Path, first: int, end: int, out: list) -> None:
+    """``run_stream_shard``'s loop: each shard emitted, stored as a blob, unstaged; its record appended."""
+    for job in sj.jobs:
+        before = ck.fetched if ck else 0
+        if ck:
+            ck.group = (first, end, job.index)
+        try:
+            path, size, sha = run_shard(ctx, job)
+            f = {"path": path, "size": size, "sha256": sha, "src": inside(staging, path)}
+            entry, sent, nbytes = put_blob(f, sj.stored, store, sj.level)
+        finally:
+            inside(staging, job.path).unlink(missing_ok=True)
+        out.append({"path": path, "size": size, "sha256": sha, "entry": entry, "sent": sent is not None,
+                    "sent_bytes": nbytes, "read": ck.fetched - before if ck else 0,
+                    "op": store.uncommitted.pop(sent) if sj.hub and sent else None})
 
 
 def worker_staging() -> Path:
@@ -383,6 +396,7 @@ class _StreamBuild(_Build):
                 c["sent" if r["sent"] else "reused"] += 1
                 c["sent_bytes"] += r["sent_bytes"]
                 c["read"] += r["read"]
+                c["node_disk"] = max(c.get("node_disk", 0), r.get("node_disk", 0))
             if self.hub:  # on the build's own branch, a rerun finds them
                 self.store.commit_side([r["op"] for r in records if r["op"]])
             if self.executor != "local":
@@ -490,6 +504,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     source_bytes = sum(b._size(n) for n in b.names)
     res.stream = {"store": store.uri, "where": report.get("where"), "scratch": str(out),
                   "scratch_limit": scratch_limit, "peak_disk": disk.peak, "executor": executor,
+                  "peak_disk_workers": b.counts.get("node_disk") if executor != "local" else None,
                   "blobs_sent": b.counts["sent"] + report["uploaded_files"],
                   "bytes_sent": b.counts["sent_bytes"] + report["uploaded_bytes"],
                   "shards_already_stored": b.counts["reused"] + b.counts["skipped"],
