@@ -27,7 +27,7 @@ import functools
 import numpy as np
 import torch
 
-from . import parallel
+from . import mxpairs, parallel
 from .errors import GkError
 
 SCALES = 255  # E8M0 scale bytes with a value (255 is NaN)
@@ -58,10 +58,7 @@ def tables() -> np.ndarray:
 
 def dense(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Block rows [R, G, 16] u8 + scales [R, G] u8 -> [R, G*32] float32, as transformers decodes them."""
-    rows, groups = scales.shape
-    at = np.repeat(scales.reshape(-1).astype(np.uint16) << 8, blocks.shape[-1])  # a block's scale, each byte
-    at |= blocks.reshape(-1)  # u16: no index can miss the table
-    return np.take(tables(), at, axis=0).reshape(rows, groups * 32)
+    return mxpairs.take(tables(), blocks, scales).reshape(scales.shape[0], -1)
 
 
 def check_layout(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:

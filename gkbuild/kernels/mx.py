@@ -19,6 +19,8 @@ import functools
 import numpy as np
 import torch
 
+from .. import mxpairs
+
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -58,52 +60,51 @@ def down(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     return w.movedim(-1, -3).reshape(*lead, nit * 4 * P, Hp)  # j = 512*it + 128*q + p
 
 
-# -- eager readers: the same tiles through a u16 table, as rows of the transposed weights --------
+# -- eager readers: the same tiles through a byte-and-scale table, as rows of the transposed weights --
 #
 # The readers above are what the traced programs run (four nibble lookups, export-friendly). Eager
-# verification decodes every expert of every layer, so it reads the tiles another way: one lookup
-# per u16 in a 65536 x 4 table (the four e2m1 values of its nibbles, from ``E2M1``), arranged so the
-# four values land side by side in the contraction axis. That gives the weights transposed (output
-# column, then input), which a matmul takes as they are: ``x @ w.T``. ~10x the readers above on CPU.
+# verification decodes every expert of every layer, so it reads the tiles another way: one lookup per
+# tile byte of a pair of values with its block's scale already in (``mxpairs``; 8 x4 rows of a tile,
+# 16 bytes, share a scale: a block). The table is the kernel reference's decode, computed here:
+# nki-library's ``dequantize_mx_golden`` casts the x4 data to float32 and multiplies by
+# ``2**(scale - 127)`` (it clips that exponent to [-127, 127] and works in float64; these readers keep
+# float32 and ``exp2``, so scale 255 gives inf/NaN and 6 * 2^127 gives inf: a scale no checkpoint
+# holds). The rows come out transposed (output column, then input), which a matmul takes as they are:
+# ``x @ w.T``.
 
 
 @functools.cache
-def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quad [65536, 4]: nibble n of u16 u is quad[u, n]; factor [256]: 2^(s - 127)) on ``device``."""
-    u = torch.arange(1 << 16)
-    quad = torch.stack([E2M1[(u >> (4 * n)) & 0xF] for n in range(4)], dim=-1)
-    return quad.to(device), torch.exp2(torch.arange(256, dtype=torch.float32) - 127).to(device)
+def _pairs(device: str) -> torch.Tensor:
+    """[65536, 2] float32: at s << 8 | b, byte b's low and high nibble as e2m1 times 2^(s - 127)."""
+    b = torch.arange(256)
+    values = torch.stack([E2M1[b & 0xF], E2M1[b >> 4]], dim=-1)  # [byte, nibble]
+    factor = torch.exp2(torch.arange(256, dtype=torch.float32) - 127)  # a power of two: the products are exact
+    return (values[None] * factor[:, None, None]).reshape(1 << 16, 2).to(device)
 
 
-def _quad(u: torch.Tensor, numpy: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """u16 [...] -> float32 [..., 4] through the table: numpy's take on the CPU (3x torch's
-    indexing there), torch's indexing on a device. ``out``: a contiguous float32 buffer of that
+def _take(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None,
+          numpy: bool | None = None) -> torch.Tensor:
+    """W [..., B, 8] u16 (8 x4 rows of a block; any strides) + S [..., B] u8 -> [..., B, 32] float32,
+    nibble n of each u16 its element n. The CPU looks up through numpy (``mxpairs``), a device through
+    torch's indexing (``numpy`` picks one on the CPU). ``out``: a contiguous float32 buffer of that
     many elements to fill (CPU), e.g. one reused from expert to expert."""
-    quad, _ = _tables(str(u.device))
-    if u.device.type == "cpu" if numpy is None else numpy:
-        idx = np.ascontiguousarray(u.numpy().view(np.uint16))
-        if out is None:
-            return torch.from_numpy(np.take(quad.numpy(), idx, axis=0))
-        into = out.view(*idx.shape, 4)
-        # every u16 is a row of the table: "clip" never clips, and unlike "raise" fills ``out`` unbuffered
-        np.take(quad.numpy(), idx, axis=0, out=into.numpy(), mode="clip")
-        return into
-    return quad[u.view(torch.int16).to(torch.int32) & 0xFFFF]
-
-
-def _factor(s: torch.Tensor) -> torch.Tensor:
-    return _tables(str(s.device))[1][s.to(torch.int64)]
+    pairs = _pairs(str(W.device))
+    if W.device.type == "cpu" if numpy is None else numpy:
+        w = np.ascontiguousarray(W.numpy()).view(np.uint8)  # the tile transposed in one copy; a u16's low byte first
+        into = None if out is None else out.view(*S.shape, 32).numpy()
+        return torch.from_numpy(mxpairs.take(pairs.numpy(), w, S.numpy(), into))
+    w = W.contiguous().view(torch.uint8).view(*S.shape, 16).to(torch.int32)
+    return pairs[(S.to(torch.int32) << 8)[..., None] | w].reshape(*S.shape, 32)
 
 
 def gate_up_rows(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up tiles W [..., 128, 2, Hp/512, Ip], S [..., 16, 2, Hp/512, Ip] -> [..., 2, Ip (column
-    j), Hp (hidden h)] float32: ``gate_up`` transposed (into ``out`` when given: ``_quad``)."""
+    j), Hp (hidden h)] float32: ``gate_up`` transposed (into ``out`` when given: ``_take``)."""
     *lead, P, G, nht, Ip = W.shape
     n = len(lead)
-    w = _quad(W.permute(*range(n), n + 1, n + 3, n + 2, n), out=out)  # [.., g, j, ht, p, nibble]: h = 512 ht + 4 p + nibble
-    s = _factor(S.permute(*range(n), n + 1, n + 3, n + 2, n))  # [.., g, j, ht, p // 8]
-    w = w.reshape(*lead, G, Ip, nht, 16, 32).mul_(s[..., None])  # a power of two: exact in place
-    return w.reshape(*lead, G, Ip, nht * P * 4)
+    w = W.permute(*range(n), n + 1, n + 3, n + 2, n).reshape(*lead, G, Ip, nht, P // 8, 8)  # h = 512 ht + 4 p + nibble
+    s = S.permute(*range(n), n + 1, n + 3, n + 2, n)  # [.., g, j, ht, p // 8]
+    return _take(w, s, out).reshape(*lead, G, Ip, nht * P * 4)
 
 
 def down_rows(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,10 +113,9 @@ def down_rows(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None)
     says which kernel column j each holds (into ``out`` when given)."""
     *lead, P, nit, Hp = W.shape
     n = len(lead)
-    w = _quad(W.permute(*range(n), n + 2, n + 1, n), out=out)  # [.., x, it, p, q]
-    s = _factor(S.permute(*range(n), n + 2, n + 1, n))  # [.., x, it, p // 8]
-    w = w.reshape(*lead, Hp, nit, P // 8, 32).mul_(s[..., None])
-    return w.reshape(*lead, Hp, nit * P * 4)
+    w = W.permute(*range(n), n + 2, n + 1, n).reshape(*lead, Hp, nit, P // 8, 8)  # [.., x, it, p, q]
+    s = S.permute(*range(n), n + 2, n + 1, n)  # [.., x, it, p // 8]
+    return _take(w, s, out).reshape(*lead, Hp, nit * P * 4)
 
 
 def down_columns(Ip: int, P: int) -> torch.Tensor:

@@ -168,9 +168,55 @@ def test_expert_forward_on_rows_is_the_traced_all_expert_form():
     torch.testing.assert_close(torch.stack([probe.out[e] for e in range(8)]), every[:, :2], rtol=1e-4, atol=1e-4)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)  # NaNs, infinities and -0 compared as they are
+
+
+def _every_byte_at_every_scale(rng, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """[blocks, 8] u16 + [blocks] u8: at each of the 256 scales, every byte value as a u16's low byte
+    and as its high byte (32 blocks a scale), then the blocks in a random order."""
+    lo = np.concatenate([rng.permutation(256) for _ in range(256)]).astype(np.uint16)
+    hi = np.concatenate([rng.permutation(256) for _ in range(256)]).astype(np.uint16)
+    w = (lo | hi << 8).reshape(256 * 32, 8)
+    s = np.repeat(np.arange(256, dtype=np.uint8), 32)
+    order = rng.permutation(len(s))
+    assert blocks == len(s)
+    return w[order], s[order]
+
+
+@pytest.mark.parametrize("scales", ["every", "extreme"])
+def test_the_byte_table_readers_are_the_traced_readers_on_every_byte_and_scale(scales):
+    """The eager readers look a tile byte up with its block's scale in one table (``mx._pairs``,
+    ``mxpairs``); the traced readers decode four nibbles and multiply by exp2(scale - 127), as the
+    eager readers did before (a u16 table, then the scale). Every byte value at every scale (0:
+    subnormal products; 254: infinite ones; 255: inf and NaN), then random tiles at extreme scales:
+    the same bits, transposed."""
+    rng = np.random.default_rng(7)
+    u16 = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.uint16)  # noqa: E731
+    G, nht, Ip, P = 2, 2, 128, 128  # gate_up: [g, j, ht, block] = 8192 blocks of 8 x4 rows
+    if scales == "every":
+        w, s = _every_byte_at_every_scale(rng, G * Ip * nht * P // 8)
+    else:
+        w = rng.integers(0, 1 << 16, (G * Ip * nht * P // 8, 8), dtype=np.uint16)
+        s = rng.choice(np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], np.uint8), len(w))
+    # the rows' [g, j, ht, p] order back to the tile's [p, g, ht, j]
+    W = u16(w.reshape(G, Ip, nht, P).transpose(3, 0, 2, 1))
+    S = torch.from_numpy(np.ascontiguousarray(s.reshape(G, Ip, nht, P // 8).transpose(3, 0, 2, 1)))
+    rows = mx.gate_up_rows(W, S)
+    assert torch.isnan(rows).any()  # scale 255
+    assert torch.equal(_bits(rows), _bits(mx.gate_up(W, S).transpose(-1, -2)))
+    nit, Hp = 4, 128  # down: [x, it, block]: the same 8192 blocks
+    Wd = u16(w.reshape(Hp, nit, P).transpose(2, 1, 0))
+    Sd = torch.from_numpy(np.ascontiguousarray(s.reshape(Hp, nit, P // 8).transpose(2, 1, 0)))
+    traced = mx.down(Wd, Sd)[mx.down_columns(nit * 4 * P, P)].T
+    assert torch.equal(_bits(mx.down_rows(Wd, Sd)), _bits(traced))
+    assert torch.isinf(traced).any() and (traced.abs() < 2.0 ** -126).logical_and(traced != 0).any()
+
+
 def test_the_device_lookup_is_the_cpu_lookup():
     """mx's table lookup takes torch's indexing on a GPU (no numpy there): the same values."""
-    u = torch.from_numpy(np.random.default_rng(3).integers(0, 1 << 16, (7, 33), dtype=np.uint16).view(np.int16))
-    u = u.view(torch.uint16)
-    assert torch.equal(mx._quad(u, numpy=False), mx._quad(u, numpy=True))
-    assert torch.equal(mx._quad(u)[..., 1], mx.E2M1[(u.view(torch.int16).to(torch.int32) >> 4) & 0xF])
+    rng = np.random.default_rng(3)
+    u = torch.from_numpy(rng.integers(0, 1 << 16, (7, 33, 8), dtype=np.uint16).view(np.int16)).view(torch.uint16)
+    s = torch.from_numpy(rng.integers(0, 256, (7, 33), dtype=np.uint8))
+    assert torch.equal(_bits(mx._take(u, s, numpy=False)), _bits(mx._take(u, s, numpy=True)))
+    assert torch.equal(_bits(mx._take(u.transpose(0, 1), s.T, numpy=False)), _bits(mx._take(u, s).transpose(0, 1)))
