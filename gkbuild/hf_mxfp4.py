@@ -13,8 +13,8 @@ answers as a table: each output element depends only on its block byte's nibble 
 scale byte, so ``pairs[s << 8 | b]`` holds the two elements (low nibble first) transformers decodes
 from byte ``b`` at scale ``s``, for all 256 bytes at each of the 255 scales with a value (255 is
 NaN in E8M0 and refused when the checkpoint is read). ``dense`` decodes block rows with one lookup
-of an 8-byte pair a block byte, its index the u16 ``scale << 8 | byte``: no pass multiplies in the
-scale (issue 28: ~1.05x a 120b expert, bench/bench_hf_mxfp4.py, against a lookup of four values by
+of an 8-byte pair a block byte, its index the u16 ``scale << 8 | byte`` (``mxpairs.take``, the lookup
+the twins' readers share with their own table): no pass multiplies in the scale (issue 28: ~1.05x a 120b expert, bench/bench_hf_mxfp4.py, against a lookup of four values by
 byte pair and then that pass; the values are the same: the table holds transformers' own).
 ``check_layout`` compares ``dense`` with a real ``convert_moe_packed_tensors`` call on a whole
 expert, bit for bit (the reference does it for one expert of every layer).
