@@ -65,11 +65,12 @@ def down(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
 # The readers above are what the traced programs run (four nibble lookups, export-friendly). Eager
 # verification decodes every expert of every layer, so it reads the tiles another way: one lookup per
 # tile byte of a pair of values with its block's scale already in (``mxpairs``; 8 x4 rows of a tile,
-# 16 bytes, share a scale: a block). The table is the kernel reference's decode, computed here:
-# nki-library's ``dequantize_mx_golden`` casts the x4 data to float32 and multiplies by
-# ``2**(scale - 127)`` (it clips that exponent to [-127, 127] and works in float64; these readers keep
-# float32 and ``exp2``, so scale 255 gives inf/NaN and 6 * 2^127 gives inf: a scale no checkpoint
-# holds). The rows come out transposed (output column, then input), which a matmul takes as they are:
+# 16 bytes, share a scale: a block). The table is the decode of nki-library's MoE torch references,
+# computed here: aws-neuron/nki-library@0759719:src/nkilib_src/nkilib/core/utils/mx_torch_common.py,
+# ``unpack_float4_x4`` (:67, a 16-entry e2m1 table by nibble, nibble 0 the u16's lowest) and
+# ``mx_matmul`` (:144, each value times ``torch.pow(2.0, scale - 127.0)`` in float32, unclipped): scale
+# 255 (refused when a checkpoint is read) gives inf and NaN, and 254's values of 2 and up overflow to inf.
+# The rows come out transposed (output column, then input), which a matmul takes as they are:
 # ``x @ w.T``.
 
 
