@@ -67,6 +67,13 @@ def _same(a: decode.DecodedExpert, b: decode.DecodedExpert) -> bool:
     return all(torch.equal(x, y) for x, y in zip((*a.gate_up(), *a.down()), (*b.gate_up(), *b.down())))
 
 
+def _until_ahead(ahead: ExpertsAhead, key, timeout: float = 30.0) -> None:
+    """Wait until a reader has taken ``key`` (a rank never waits for a reader that has not: it makes the
+    expert itself, so on a busy host the first asks can beat the readers' start)."""
+    with ahead._cv:
+        assert ahead._cv.wait_for(lambda: key in ahead._ready or key in ahead._reading, timeout), key
+
+
 @pytest.mark.parametrize("readers", [1, 2])
 def test_each_rank_gets_its_own_experts_read_ahead_in_the_order_asked(ranks, readers):
     """Asked in the order read: every expert comes from the reader (never made by the asker), each
@@ -75,6 +82,7 @@ def test_each_rank_gets_its_own_experts_read_ahead_in_the_order_asked(ranks, rea
     slots, made, buffers = 3, [], set()
     with _ahead(ts, scs, range(RANKS), slots, readers) as ahead:
         for key, t, i, e, sc in _jobs(ts, scs, range(RANKS)):
+            _until_ahead(ahead, key)
             ex = ahead.get(key, lambda: made.append(key))
             assert not made, made
             assert _same(ex, decode.DecodedExpert(t, i, e, sc)), key
