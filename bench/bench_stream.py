@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--scratch-limit", default="2GiB")
     ap.add_argument("--file-size", default="1GB", help="the synthesized checkpoint's files (synth --max-shard-size)")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--only", choices=("baseline", "stream", "ray"), nargs="+",
+                    help="run only these variants (e.g. to re-measure one after a change)")
     dir_arg(ap, "/tmp/gkbench-stream")
     ap.add_argument("--local", action="store_true",
                     help="a folder source (memory-mapped) and folder stores: no S3 server (no ranged reads)")
@@ -133,13 +135,14 @@ def main() -> None:
             env = dict(os.environ)
             (d / "ray-cache").mkdir(exist_ok=True)
             os.environ["GKBUILD_CACHE"] = str(d / "ray-cache")  # the Ray nodes' (the cluster takes our environment)
-            with (ray_cluster(nodes=2, cpus=1, memory_gib=6) if not a.no_ray else contextlib.nullcontext()) as cluster:
+            ray = not a.no_ray and (a.only is None or "ray" in a.only)
+            with (ray_cluster(nodes=2, cpus=1, memory_gib=6) if ray else contextlib.nullcontext()) as cluster:
                 os.environ.pop("GKBUILD_CACHE")
                 rows = []
                 for i in range(a.repeat):
                     plans = [("baseline", None), ("stream", "local"), ("ray", "ray")]
                     for name, executor in plans[i % 3:] + plans[:i % 3]:  # rotate: no variant always first
-                        if name == "ray" and cluster is None:
+                        if name == "ray" and cluster is None or a.only and name not in a.only:
                             continue
                         to = str(d / f"store-{name}") if a.local else f"s3://dst/{name}-{i}"
                         if name == "baseline":
@@ -174,7 +177,7 @@ def main() -> None:
         print(f"{'step':9} {'wall s':>8} {'x base':>7} {'disk':>10} {'reported':>10} {'rss':>10} {'ray rss':>10} "
               f"{'read/size':>9} {'hashed':>7}")
         for r in rows:
-            print(f"{r['step']:9} {r['wall']:8.1f} {r['wall'] / min(base):7.2f} {gib(r['disk']):>10} "
+            print(f"{r['step']:9} {r['wall']:8.1f} {r['wall'] / min(base) if base else float('nan'):7.2f} {gib(r['disk']):>10} "
                   f"{gib(r.get('reported_disk', 0)):>10} {gib(r['rss']):>10} {gib(r['ray_rss']):>10} "
                   f"{r['source_read'] / source_bytes:9.2f} {r.get('source_hashed', 0) / source_bytes:7.2f}")
 
