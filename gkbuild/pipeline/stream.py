@@ -122,8 +122,9 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
             ck.group = None
         if own:
             shutil.rmtree(staging, ignore_errors=True)
-    for r in out if own else ():
-        r["node_disk"] = watch.peak
+    if own:
+        for r in out:
+            r["node_disk"] = watch.peak
     return out
 
 
@@ -204,7 +205,7 @@ class _StreamBuild(_Build):
         super().__init__(recipe, out, jobs, force, progress)
         self.store, self.limit, self.executor, self.level = store, limit, executor, level
         self.known: dict[str, dict] = {}  # shard path -> its index entry (in the store)
-        self.counts = {"sent": 0, "sent_bytes": 0, "reused": 0, "skipped": 0, "read": 0}
+        self.counts = {"sent": 0, "sent_bytes": 0, "reused": 0, "skipped": 0, "read": 0, "node_disk": 0}
         for leftover in (out / "weights").glob("*") if (out / "weights").is_dir() else []:
             leftover.unlink()  # a killed run's staged shards (this folder is gkbuild's: claimed)
 
@@ -396,7 +397,7 @@ class _StreamBuild(_Build):
                 c["sent" if r["sent"] else "reused"] += 1
                 c["sent_bytes"] += r["sent_bytes"]
                 c["read"] += r["read"]
-                c["node_disk"] = max(c.get("node_disk", 0), r.get("node_disk", 0))
+                c["node_disk"] = max(c["node_disk"], r.get("node_disk", 0))
             if self.hub:  # on the build's own branch, a rerun finds them
                 self.store.commit_side([r["op"] for r in records if r["op"]])
             if self.executor != "local":
@@ -504,7 +505,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     source_bytes = sum(b._size(n) for n in b.names)
     res.stream = {"store": store.uri, "where": report.get("where"), "scratch": str(out),
                   "scratch_limit": scratch_limit, "peak_disk": disk.peak, "executor": executor,
-                  "peak_disk_workers": b.counts.get("node_disk") if executor != "local" else None,
+                  "peak_disk_workers": b.counts["node_disk"] if executor != "local" else None,
                   "blobs_sent": b.counts["sent"] + report["uploaded_files"],
                   "bytes_sent": b.counts["sent_bytes"] + report["uploaded_bytes"],
                   "shards_already_stored": b.counts["reused"] + b.counts["skipped"],
