@@ -13,9 +13,11 @@ answers as a table: each output element depends only on its block byte's nibble 
 scale byte, so ``pairs[s << 8 | b]`` holds the two elements (low nibble first) transformers decodes
 from byte ``b`` at scale ``s``, for all 256 bytes at each of the 255 scales with a value (255 is
 NaN in E8M0 and refused when the checkpoint is read). ``dense`` decodes block rows with one lookup
-of an 8-byte pair a block byte, its index the u16 ``scale << 8 | byte`` (``mxpairs.take``, the lookup
-the twins' readers share with their own table): no pass multiplies in the scale (issue 28: ~1.05x a 120b expert, bench/bench_hf_mxfp4.py, against a lookup of four values by
-byte pair and then that pass; the values are the same: the table holds transformers' own).
+of an 8-byte pair a block byte at ``scale << 8 | byte`` (``mxpairs.take``, the compiled lookup
+the twins' readers share with their own table): no pass multiplies in the scale, and the lookup
+releases the GIL, so ``matmul_t``'s chunks decode on both cores (issue 28: one 120b expert 3.0x
+faster than 8379fb3's numpy take, 2.1x d3f86bc's, bench/bench_hf_mxfp4.py). The values are the
+same whatever the lookup: the table holds transformers' own.
 ``check_layout`` compares ``dense`` with a real ``convert_moe_packed_tensors`` call on a whole
 expert, bit for bit (the reference does it for one expert of every layer).
 """
@@ -72,11 +74,13 @@ def check_layout(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:
         raise GkError(f"{where}: the tabulated MXFP4 decode differs from transformers' convert_moe_packed_tensors")
 
 
-def matmul_t(x: torch.Tensor, blocks: np.ndarray, scales: np.ndarray, rows: int = 32) -> torch.Tensor:
+def matmul_t(x: torch.Tensor, blocks: np.ndarray, scales: np.ndarray, rows: int = 256) -> torch.Tensor:
     """x [n, G*32] @ dense(blocks, scales).T -> [n, R], decoding ``rows`` block rows at a time so
-    the dense weights never leave the core's cache (at 120b widths 32 rows are 0.37 MB of float32;
-    each output is the same dot product whatever the chunk: goldens made with 32- and 128-row chunks
-    are bit-identical), the chunks on the host's cores (or in this thread, if it is one of them)."""
+    the dense weights stay near the core (at 120b widths 256 rows are 2.9 MB of float32), the chunks
+    on the host's cores (or in this thread, if it is one of them). Each output is the same dot
+    product whatever the chunk: goldens made with 32-, 128- and 256-row chunks are bit-identical.
+    256, not 32: the Python between two GIL-free chunks made two threads slower than one at 32
+    rows (12.1 ms an expert against 7.6; 5.1 ms at 256, issue 28)."""
     R = scales.shape[0]
     out = torch.empty(x.shape[0], R, dtype=x.dtype, device=x.device)
 

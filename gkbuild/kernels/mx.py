@@ -86,7 +86,7 @@ def _pairs(device: str) -> torch.Tensor:
 def _take(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None,
           numpy: bool | None = None) -> torch.Tensor:
     """W [..., B, 8] u16 (8 x4 rows of a block; any strides) + S [..., B] u8 -> [..., B, 32] float32,
-    nibble n of each u16 its element n. The CPU looks up through numpy (``mxpairs``), a device through
+    nibble n of each u16 its element n. The CPU looks up through ``mxpairs``' compiled loop, a device through
     torch's indexing (``numpy`` picks one on the CPU). ``out``: a contiguous float32 buffer of that
     many elements to fill (CPU), e.g. one reused from expert to expert."""
     pairs = _pairs(str(W.device))
