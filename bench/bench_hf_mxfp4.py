@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,8 +83,10 @@ def main() -> None:
     got: dict[str, list[dict]] = {"base": [], "new": []}
     for _ in range(a.repeat):
         for tree, (cmd, env) in trees.items():
+            # cwd: ``-c`` puts the working folder first on sys.path, which in this checkout would
+            # shadow the base tree (until 2026-12-02 both "trees" ran this one's code)
             out = subprocess.run(cmd + ["-c", TWIN if a.twin else CHILD], env={**env, "OMP_NUM_THREADS": "1"}, check=True,
-                                 capture_output=True, text=True).stdout
+                                 capture_output=True, text=True, cwd=tempfile.gettempdir()).stdout
             got[tree].append(json.loads(out))
     load = os.getloadavg()[0]
     print(f"one 120b expert (gate_up + down{', the twin decode' if a.twin else ''}), CPU seconds, median of 7 "
