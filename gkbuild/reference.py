@@ -42,6 +42,7 @@ KV_FORMATS = ("fp32", "bf16", *FP8_MAX)
 LM_HEAD_ROWS = 16384  # vocabulary rows of the lm_head converted to fp32 at a time
 LM_HEAD_KEEP = 4 << 30  # bytes of float32 lm_head kept between passes at most (120b: 2.3 GB)
 LAYERS_KEEP = 4 << 30  # bytes of float32 layer modules kept between passes at most (120b: 108 MB a layer)
+READ_AHEAD = 4  # experts of a pass being read from disk ahead of the ones computing (~13 MB each at 120b)
 PROBES = 4  # rows every expert runs on (verify checks each expert shard against them)
 
 
@@ -193,6 +194,13 @@ class Layer:
         ck.release(name)
         return t
 
+    def prefetch(self, e: int) -> None:
+        """Start reading expert e's MXFP4 weights from disk (they are read when computed: at 36
+        layers the checkpoint is larger than the page cache, and a pass's experts come from disk)."""
+        for proj in ("gate_up_proj", "down_proj"):
+            for part in ("_blocks", "_scales"):
+                self.ck.prefetch(f"{self.prefix}mlp.experts.{proj}{part}", e, e + 1)
+
     def expert(self, e: int, x: torch.Tensor, check: bool = False) -> torch.Tensor:
         """Expert e of this layer on rows x [n, H] (transformers' GptOssExperts math, float32),
         its MXFP4 weights decoded as transformers decodes them (``hf_mxfp4``) a few rows at a time.
@@ -221,14 +229,19 @@ class Layer:
         expert's decode is checked against transformers' function."""
         out = torch.zeros_like(x)
         probed = None if probe is None else torch.empty(self.num_experts, *probe.shape, device=x.device)
-        todo = range(self.num_experts) if probe is not None else torch.unique(idx).tolist()
+        todo = list(range(self.num_experts)) if probe is not None else torch.unique(idx).tolist()
+        for e in todo[:READ_AHEAD]:
+            self.prefetch(e)
 
-        def run(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def run(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if k + READ_AHEAD < len(todo):
+                self.prefetch(todo[k + READ_AHEAD])
+            e = todo[k]
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             rows = x[tok] if probe is None else torch.cat([x[tok], probe])
             return tok, slot, self.expert(e, rows, check=probe is not None and e == 0)
 
-        for e, (tok, slot, y) in zip(todo, parallel.each(run, todo)):
+        for e, (tok, slot, y) in zip(todo, parallel.each(run, range(len(todo)))):
             out.index_add_(0, tok, y[:len(tok)] * scores[tok, slot, None])
             if probe is not None:
                 probed[e] = y[len(tok):]

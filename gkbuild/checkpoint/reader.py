@@ -124,6 +124,15 @@ class Checkpoint:
             self._checked.add((name, lo, hi))
         return arr
 
+    def prefetch(self, name: str, lo: int, hi: int) -> None:
+        """Start reading tensor ``name``'s leading slice [lo, hi) from disk and return: a later
+        ``read`` of it finds it in the page cache (or waits for it there)."""
+        info = self.info(name)
+        if not info.shape or not 0 <= lo <= hi <= info.shape[0]:
+            raise ValueError(f"{name}: no leading slice [{lo}, {hi}) in {list(info.shape)}")
+        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        self._map(info).prefetch(info.offset + lo * row, (hi - lo) * row)
+
     def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:
         """Drop tensor ``name``'s mapped pages (or those of its leading slice [lo, hi)) from this
         process's memory; they stay in the page cache."""

@@ -162,24 +162,31 @@ class MappedFile:
     FAULT_AROUND = 1 << 20
     MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in one call instead of a fault each
 
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Start reading a byte range into the page cache and return (``MADV_WILLNEED``: exactly
+        those bytes, in large requests)."""
+        self._advise(mmap.MADV_WILLNEED, offset, nbytes)
+
     def populate(self, offset: int, nbytes: int) -> None:
         """Map a byte range's pages now, in one system call (a build reads every byte of what it
         asks for: faulting them in one 64 KiB group at a time cost a third of its system time).
 
-        The range is first read into the page cache as it is (``MADV_WILLNEED``: exactly those
-        bytes, in large requests). A fault that finds a page missing reads the device's readahead
-        window around it instead, and that window can be far larger than what is asked for (8 MiB
-        on this project's hosts: a 36-layer golden, which reads one 13 MB expert at a time from a
-        checkpoint larger than the page cache, read ~4x its bytes from disk, issue 28)."""
+        The range is first read into the page cache as it is (``prefetch``). A fault that finds a
+        page missing reads the device's readahead window around it instead, and that window can be
+        far larger than what is asked for (8 MiB on this project's hosts: a 36-layer golden, which
+        reads one 13 MB expert at a time from a checkpoint larger than the page cache, read ~3x
+        its bytes from disk, issue 28)."""
+        self.prefetch(offset, nbytes)
+        self._advise(self.MADV_POPULATE_READ, offset, nbytes)
+
+    def _advise(self, advice: int, offset: int, nbytes: int) -> None:
         if not self._mm or nbytes <= 0:
             return
         start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-        length = min(offset + nbytes, self.header.size) - start
-        for advice in (mmap.MADV_WILLNEED, self.MADV_POPULATE_READ):
-            try:
-                self._mm.madvise(advice, start, length)
-            except OSError:  # an older kernel: the pages fault in as they are read
-                pass
+        try:
+            self._mm.madvise(advice, start, min(offset + nbytes, self.header.size) - start)
+        except OSError:  # an older kernel: the pages fault in as they are read
+            pass
 
     def release(self, offset: int, nbytes: int) -> None:
         """Drop the mapped pages of a byte range (and the fault-around margin) from this process;
