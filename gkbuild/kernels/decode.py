@@ -5,7 +5,7 @@ prologue (``embed``) makes x from token ids; otherwise the runtime passes x. Per
 giga-kernel's layer body, CONTRACT.md section 2):
 
     X   = all_gather_tp(x)                              this DP replica's tokens
-    a   = attention(rmsnorm(X)) @ W_out[i] + bias_out   QKV fused, YaRN RoPE, paged KV with
+    a   = attention(qkv(rmsnorm(X))) @ W_out[i] + bias_out   QKV fused, YaRN RoPE, paged KV with
                                                          sinks; sliding layers read the trimmed
                                                          block table in window-frame positions
     x   = x + reduce_scatter_tp(a)
@@ -121,12 +121,17 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, hidden_actual: in
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / hidden_actual + eps) * gamma
 
 
-def attention(t: dict, i: int, X: torch.Tensor, K_half, V_half, ctl: Control, sc: Scalars) -> torch.Tensor:
-    """One layer's attention for this rank's heads over the replica's rows: [B, q_l*d]."""
+def qkv(t: dict, i: int, X: torch.Tensor) -> torch.Tensor:
+    """The fused QKV projection of normed rows X [..., Hp] for this rank's heads: [..., qkv]."""
+    return X @ t["W_qkv"][i].float() + t["bias_qkv"][i].float()
+
+
+def attention(t: dict, i: int, qkv: torch.Tensor, K_half, V_half, ctl: Control, sc: Scalars) -> torch.Tensor:
+    """One layer's attention for this rank's heads over the replica's rows, from their projection
+    ``qkv`` [B, qkv]: [B, q_l*d]."""
     q_l = t["sink"].shape[1]
     d = t["W_out"].shape[1] // q_l
-    qkv = X @ t["W_qkv"][i].float() + t["bias_qkv"][i].float()
-    B = X.shape[0]
+    B = qkv.shape[0]
     kv_l = (qkv.shape[1] // d - q_l) // 2
     q = qkv[:, :q_l * d].reshape(B, q_l, d)
     k = qkv[:, q_l * d:(q_l + kv_l) * d].reshape(B, kv_l, d)
@@ -147,7 +152,7 @@ def attention(t: dict, i: int, X: torch.Tensor, K_half, V_half, ctl: Control, sc
         kb = kvlayout.unpack_block(kb)
     kp = kb.to(torch.float32).permute(0, 2, 1, 3, 4).reshape(B, kv_l, -1, d)
     vp = V_half[table].to(torch.float32).permute(0, 2, 1, 3, 4).reshape(B, kv_l, -1, d)
-    slot = torch.arange(kp.shape[2], device=X.device)
+    slot = torch.arange(kp.shape[2], device=qkv.device)
     visible = (slot[None, :] >= start[:, None]) & (slot[None, :] < pos[:, None])  # [B, S]
     g = q_l // kv_l
     qg = q.reshape(B, kv_l, g, d)
@@ -362,12 +367,21 @@ class Probe:
     out: dict = field(default_factory=dict)
 
 
+def router(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The router's logits of rows x [B, Hp]: [B, E] (``w`` [Hp, E], ``b`` [E] float32)."""
+    return x @ w + b
+
+
 def experts(t: dict, i: int, x: torch.Tensor, sc: Scalars, guide: RoutingGuide | None = None,
-            memo: ExpertCache | None = None, probe: Probe | None = None) -> torch.Tensor:
+            memo: ExpertCache | None = None, probe: Probe | None = None,
+            logits: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's experts over every token, each scaled by its routing affinity (0 if not chosen).
     ``probe``: every local expert also runs on the probe's rows (eager only). ``memo``: where decoded
-    experts come from (``ExpertCache``, or ``ahead.ExpertsAhead``: read ahead on other threads)."""
-    logits = x @ t["router_weights"][i].float() + t["router_bias"][i].float()
+    experts come from (``ExpertCache``, or ``ahead.ExpertsAhead``: read ahead on other threads).
+    ``logits``: ``router`` of x with this rank's router, when the caller made them (the replay makes
+    them once for the ranks that map one router's bytes)."""
+    if logits is None:
+        logits = router(x, t["router_weights"][i].float(), t["router_bias"][i].float())
     idx, weights = route(logits, sc.top_k, guide if sc.ep_rank == 0 else _copy(guide), i)
     lo = sc.ep_rank * sc.experts_per_rank
     aff = torch.zeros_like(logits).scatter(1, idx, weights)[:, lo:lo + sc.experts_per_rank]  # [B, E_L]
@@ -431,7 +445,7 @@ def step(t: dict, x: torch.Tensor, kv, ctl: Control, sc: Scalars, comm, hiddens:
     f = lambda name, i: t[name][i].float()  # noqa: E731
     for i in range(sc.num_layers):
         X = comm.all_gather(x, "tp")
-        a = attention(t, i, rms_norm(X, f("input_layernorm_weight", i), sc.eps, sc.hidden_actual),
+        a = attention(t, i, qkv(t, i, rms_norm(X, f("input_layernorm_weight", i), sc.eps, sc.hidden_actual)),
                       kv.k(i), kv.v(i), ctl, sc)
         x = x + comm.reduce_scatter(a @ f("W_out", i) + f("bias_out", i), "tp")
         M = comm.all_gather(x, "ep")

@@ -232,23 +232,33 @@ class Replay:
                 kv = self.kv[s][r]
                 for a in kv.allocations:
                     a.zero_()
-                for pos in range(self.T):
-                    X = comm.all_gather(self.x[r][s][pos], "tp")
-                    A = torch.zeros(X.shape[0], self.hp, device=self.dev)
-                    if len(lr):
-                        ctl = self.controls[pos][replica].select(lr)
-                        a = decode.attention(t, i, decode.rms_norm(X[lr], ln1, sc.eps, sc.hidden_actual),
-                                             kv.k(0), kv.v(0), ctl, sc)
-                        A[lr] = a @ w_out + b_out
-                    self.x[r][s][pos] = self.x[r][s][pos] + comm.reduce_scatter(A, "tp")
-                    if r == 0:
-                        advance(1, f"layer {i + 1}/{self.L}, position {pos + 1}/{self.T}")
+                # the layer's input is known at every position, so the replica's rows of every position
+                # are gathered, normed and projected at once, and their attention output projected and
+                # reduce-scattered at once; only attention over the cache runs position by position
+                X = comm.all_gather(self.x[r][s].transpose(0, 1), "tp")  # [B_attn, T, Hp]
+                A = torch.zeros(0, self.T, self.hp, device=self.dev)  # the live rows' output: the others add 0
+                if len(lr):
+                    qkv = decode.qkv(t, i, decode.rms_norm(X[lr], ln1, sc.eps, sc.hidden_actual))  # [n, T, qkv]
+                    heads = []
+                    for pos in range(self.T):
+                        heads.append(decode.attention(t, i, qkv[:, pos], kv.k(0), kv.v(0),
+                                                      self.controls[pos][replica].select(lr), sc))
+                        if r == 0:
+                            advance(1, f"layer {i + 1}/{self.L}, position {pos + 1}/{self.T}")
+                    A = torch.stack(heads, 1) @ w_out + b_out
+                elif r == 0:
+                    advance(self.T, f"layer {i + 1}/{self.L}")
+                mine = comm.reduce_scatter_rows(lr, A, X.shape[0], "tp")  # [t_shard, T, Hp]
+                self.x[r][s] = self.x[r][s] + mine.transpose(0, 1)
             M = comm.all_gather(torch.cat([self.x[r][s].reshape(-1, self.hp) for s in range(S)]), "ep")
             gamma = t["post_attn_layernorm_weight"][i]
             xn = shared.get(("moe input", id(M), Shared.key(gamma), sc.eps, sc.hidden_actual),
                             lambda: decode.rms_norm(M[sel], shared.float(gamma), sc.eps, sc.hidden_actual))
+            w, b = t["router_weights"][i], t["router_bias"][i]
+            logits = shared.get(("router", id(M), Shared.key(w), Shared.key(b)),
+                                lambda: decode.router(xn, shared.float(w), shared.float(b)))
             probe_ = decode.Probe(probe_k)
-            out = decode.experts(t, i, xn, sc, guide, memo=self.ahead, probe=probe_)
+            out = decode.experts(t, i, xn, sc, guide, memo=self.ahead, probe=probe_, logits=logits)
             del xn
             hit = torch.nonzero(out.abs().sum(-1)).flatten()  # the rows this rank's experts add to
             values = out[hit]
