@@ -60,7 +60,7 @@ def tables() -> np.ndarray:
 
 def dense(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Block rows [R, G, 16] u8 + scales [R, G] u8 -> [R, G*32] float32, as transformers decodes them."""
-    return mxpairs.take(tables(), blocks, scales).reshape(scales.shape[0], -1)
+    return mxpairs.take(tables(), blocks.view("<u2"), scales).reshape(scales.shape[0], -1)
 
 
 def check_layout(blocks: np.ndarray, scales: np.ndarray, where: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from .. import mxpairs
@@ -91,9 +90,8 @@ def _take(W: torch.Tensor, S: torch.Tensor, out: torch.Tensor | None = None,
     many elements to fill (CPU), e.g. one reused from expert to expert."""
     pairs = _pairs(str(W.device))
     if W.device.type == "cpu" if numpy is None else numpy:
-        w = np.ascontiguousarray(W.numpy()).view(np.uint8)  # the tile transposed in one copy; a u16's low byte first
         into = None if out is None else out.view(*S.shape, 32).numpy()
-        return torch.from_numpy(mxpairs.take(pairs.numpy(), w, S.numpy(), into))
+        return torch.from_numpy(mxpairs.take(pairs.numpy(), W.numpy(), S.numpy(), into))  # the tile read in place
     w = W.contiguous().view(torch.uint8).view(*S.shape, 16).to(torch.int32)
     return pairs[(S.to(torch.int32) << 8)[..., None] | w].reshape(*S.shape, 32)
 
