@@ -64,6 +64,20 @@ def test_reads_a_multi_file_checkpoint(tiny_ckpt):
     assert np.isfinite(emb.astype(np.float32)).all()  # pages come back on demand after release
 
 
+def test_prefetch_takes_a_leading_slice_and_refuses_one_outside_the_tensor(tiny_ckpt):
+    """The reference reads experts ahead by index: an index off the tensor is a bug, never a read elsewhere."""
+    ck = Checkpoint.open(tiny_ckpt)
+    E = ck.info(SCALES).shape[0]
+    ck.prefetch(SCALES, 0, E)
+    ck.prefetch(SCALES, E - 1, E)
+    for lo, hi in ((-1, 1), (0, E + 1), (2, 1)):
+        with pytest.raises(ValueError, match="no leading slice"):
+            ck.prefetch(SCALES, lo, hi)
+    with pytest.raises(ValueError, match="no leading slice"):
+        ck.prefetch(names.FINAL_NORM, 0, 1 << 40)
+    ck.close()
+
+
 def test_reads_files_written_by_the_official_safetensors_writer(tiny_copy):
     _resave(tiny_copy, SCALES, lambda t: t)
     ck = Checkpoint.open(tiny_copy)
