@@ -11,9 +11,13 @@ copying it first; a u16's low byte holds nibbles 0 and 1): a value pair is copie
 word, a block's 16 lookups fall in one scale's 2 KiB of the table, and nothing but the output is
 written. numpy's ``take`` needed an index array first (the u16 ``s << 8 | b`` a byte, widened to
 intp inside it) and ran ~4x slower, and the twins' tile transpose was a copy of its own, its pages
-fresh each expert (issue 28: bench/bench_hf_mxfp4.py). The loop is compiled on first use and cached
-beside this module (numba's ``cache=True``; a read-only install falls back to numba's user cache),
-and it releases the GIL: the reference's and verify's threads look up side by side.
+fresh each expert (issue 28: bench/bench_hf_mxfp4.py). The loop is compiled on first use in each process
+(0.1-0.3 s a layout: the golden's contiguous words, the twins' strided ones) and releases the GIL:
+the reference's and verify's threads look up side by side. Not numba's on-disk cache (``cache=True``):
+its index is rewritten without a lock and a loaded entry is not checked against the signature that
+asked for it (numba issue #4807), so two processes filling it at once (``make test``'s two workers)
+could hand the strided layout code compiled for contiguous arrays: wrong words, read past a view's
+end; and with no writable cache folder at all (a read-only install, no home) it raises.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 def _kernel():
     from numba import njit
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True)
     def lookup(table, words, scales, into):  # pragma: no cover (compiled: coverage cannot see it)
         """into[k] = the 16 pairs of block k: words [A, B, C, D, 8] u16 + scales [A, B, C, D] u8, any
         strides, blocks in index order -> into [A*B*C*D, 16] int64."""

@@ -252,10 +252,10 @@ class Replay:
                 self.x[r][s] = self.x[r][s] + mine.transpose(0, 1)
             M = comm.all_gather(torch.cat([self.x[r][s].reshape(-1, self.hp) for s in range(S)]), "ep")
             gamma = t["post_attn_layernorm_weight"][i]
-            xn = shared.get(("moe input", id(M), Shared.key(gamma), sc.eps, sc.hidden_actual),
-                            lambda: decode.rms_norm(M[sel], shared.float(gamma), sc.eps, sc.hidden_actual))
+            moe_in = ("moe input", id(M), Shared.key(gamma), sc.eps, sc.hidden_actual)
+            xn = shared.get(moe_in, lambda: decode.rms_norm(M[sel], shared.float(gamma), sc.eps, sc.hidden_actual))
             w, b = t["router_weights"][i], t["router_bias"][i]
-            logits = shared.get(("router", id(M), Shared.key(w), Shared.key(b)),
+            logits = shared.get(("router", moe_in, Shared.key(w), Shared.key(b)),  # this rank's own input and router
                                 lambda: decode.router(xn, shared.float(w), shared.float(b)))
             probe_ = decode.Probe(probe_k)
             out = decode.experts(t, i, xn, sc, guide, memo=self.ahead, probe=probe_, logits=logits)
