@@ -194,12 +194,16 @@ class Layer:
         ck.release(name)
         return t
 
+    def _mx(self) -> list[str]:
+        """The names of this layer's MXFP4 expert tensors (blocks and scales of both projections)."""
+        return [f"{self.prefix}mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj")
+                for part in ("_blocks", "_scales")]
+
     def prefetch(self, e: int) -> None:
         """Start reading expert e's MXFP4 weights from disk (they are read when computed: at 36
         layers the checkpoint is larger than the page cache, and a pass's experts come from disk)."""
-        for proj in ("gate_up_proj", "down_proj"):
-            for part in ("_blocks", "_scales"):
-                self.ck.prefetch(f"{self.prefix}mlp.experts.{proj}{part}", e, e + 1)
+        for name in self._mx():
+            self.ck.prefetch(name, e, e + 1)
 
     def expert(self, e: int, x: torch.Tensor, check: bool = False) -> torch.Tensor:
         """Expert e of this layer on rows x [n, H] (transformers' GptOssExperts math, float32),
@@ -215,9 +219,8 @@ class Layer:
         h = hf_mxfp4.matmul_t(x, *w["gate_up_proj"][:2]) + w["gate_up_proj"][2]
         gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
         y = hf_mxfp4.matmul_t((up + 1) * gate * torch.sigmoid(gate * self.alpha), *w["down_proj"][:2])
-        for proj in ("gate_up_proj", "down_proj"):
-            for part in ("_blocks", "_scales"):
-                ck.release(p + proj + part, e, e + 1)
+        for name in self._mx():
+            ck.release(name, e, e + 1)
         return y + w["down_proj"][2]
 
     def experts(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,

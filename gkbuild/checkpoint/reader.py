@@ -106,8 +106,7 @@ class Checkpoint:
         arr = m.array(info)
         if lo is not None:
             arr = arr[lo:hi]
-        row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
-        m.populate(info.offset + (lo or 0) * row, arr.nbytes)
+        m.populate(info.offset + (lo or 0) * self._row(info), arr.nbytes)
         return self._check(info, arr, lo, hi)
 
     def _check(self, info: TensorInfo, arr: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
@@ -130,7 +129,7 @@ class Checkpoint:
         info = self.info(name)
         if not info.shape or not 0 <= lo <= hi <= info.shape[0]:
             raise ValueError(f"{name}: no leading slice [{lo}, {hi}) in {list(info.shape)}")
-        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        row = self._row(info)
         self._map(info).prefetch(info.offset + lo * row, (hi - lo) * row)
 
     def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:
@@ -140,8 +139,13 @@ class Checkpoint:
         if lo is None:
             self._map(info).release(info.offset, info.nbytes)
             return
-        row = info.nbytes // max(info.shape[0], 1)
+        row = self._row(info)
         self._map(info).release(info.offset + lo * row, (hi - lo) * row)
+
+    @staticmethod
+    def _row(info: TensorInfo) -> int:
+        """Bytes of one slice along the tensor's leading axis (a scalar: the whole tensor)."""
+        return info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
 
     def deep_check(self, advance=lambda n: None) -> None:
         """Read every byte once (file order, pages released as it goes): NaN scales, non-finite floats."""
