@@ -1078,7 +1078,18 @@ def _print_matrix(as_json: bool) -> None:
         click.echo(f"{k}: {r.says} ({r.source})")
 
 
+# Libraries that transformers imports behind our back and that log at import, not about our work:
+# transformers/quantizers/auto.py imports quantizer_torchao (hence torchao) whenever torchao is
+# installed; torchao/__init__.py:96 warns for each CUDA-only .so it cannot load, and its
+# register_constant calls make torch/utils/_pytree.py:630 warn per Enum. A CLI line is ours alone.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def main(argv=None) -> None:
+    import logging
+
+    for name in _IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for stream in (sys.stdout, sys.stderr):  # names from files are data: a lone surrogate prints escaped
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")

@@ -74,12 +74,22 @@ class BuildResult:
                             "detail": s.detail} for s in self.stages]}
 
 
+# A compile killed with -9 leaves its forked pool workers holding the inherited lock until their
+# PR_SET_PDEATHSIG kill has landed (moments, longer on a loaded machine): a rerun waits that long.
+LOCK_GRACE_S = 5.0
+
+
 @contextmanager
 def _lock(out: Path):
-    with file_lock(out / STATE_DIR / "lock", wait=False) as fd:
-        if fd is None:
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        with file_lock(out / STATE_DIR / "lock", wait=False) as fd:
+            if fd is not None:
+                yield
+                return
+        if time.monotonic() > deadline:
             raise GkError(f"{out}: another gkbuild compile is writing this folder")
-        yield
+        time.sleep(0.1)
 
 
 class _Runner:
