@@ -170,7 +170,7 @@ def test_shards_open_with_the_official_reader(topo):
 def test_manifest(topo):
     r, out, res = topo
     m = mf.load(out)  # validates against the shipped schema
-    assert m["schema_version"] == 2 and m["target"] == "trn2" and m["topology"]["world_size"] == 128
+    assert m["schema_version"] == 2 and m["target"] == "trn3" and m["topology"]["world_size"] == 128
     assert m["build_id"] == mf.build_id(m)
     assert m["recipe"]["digest"] == r.digest()
     assert m["source"]["kind"] == "synth" and len(m["source"]["files"]) >= 3
