@@ -458,7 +458,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
 
     \b
       gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
-      gkbuild verify artifacts/gpt-oss-120b-trn2 --golden g.safetensors --json
+      gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
     """
     from .verify import check_prefill, run
 
@@ -568,8 +568,8 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
 
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
-      gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
-      gkbuild publish artifacts/gpt-oss-120b-trn2 --to s3://my-bucket/builds/gpt-oss-120b-trn2
+      gkbuild publish artifacts/gpt-oss-120b-trn3 --to hf://my-org/gpt-oss-120b-gk@trn3
+      gkbuild publish artifacts/gpt-oss-120b-trn3 --to s3://my-bucket/builds/gpt-oss-120b-trn3
     """
     from .publish.publish import publish as run
 
@@ -955,7 +955,7 @@ def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_
     assembles the build without compiling.
 
     \b
-      gkbuild farm recipes/gpt-oss-120b-trn2.yaml recipes/gpt-oss-120b-trn3.yaml \\
+      gkbuild farm recipes/gpt-oss-20b-trn3.yaml recipes/gpt-oss-120b-trn3.yaml \\
           --vary 'decode.batch_sizes=[[1, 8], [64]]' --cache s3://my-bucket/gk-cache --executor ray
       gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --list --json   # the CI matrix
       gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --only 3f2a9c0d41be  # one cell

@@ -470,6 +470,10 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
     if spec.kind == "dir":
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
+    if compile:  # what plan refuses is refused before anything is written
+        from ..compile.stage import refuse_unbuildable
+
+        refuse_unbuildable(recipe, spec)
     shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress:
