@@ -161,7 +161,8 @@ def test_compile_refuses_what_plan_refuses_before_writing_anything(tmp_path):
     args = (str(RECIPES / "tiny-topology-trn3.yaml"), "--set", "target=trn2")
     plan = run_cli("plan", *args)
     comp = run_cli("compile", *args, "--out", str(tmp_path / "b"), "-q")
-    for r in (plan, comp):
+    streamed = run_cli("compile", *args, "--to", str(tmp_path / "store"), "-q")
+    for r in (plan, comp, streamed):
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and "refused by nc_matmul_mx" in r.stderr, r.stderr
         assert r.stderr.rstrip().endswith(TRN3_OR_OWN_KERNEL)
-    assert not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists() and not (tmp_path / "store").exists()

@@ -128,12 +128,12 @@ def test_a_verify_that_forces_too_many_routings_fails(tmp_path, tiny_golden):
                          ids=["bf16-kv", "packed-fp8-kv", "paired-packed-fp8-kv"])
 def test_tiny_topology_passes_tightly_emulated_over_128_ranks(tmp_path, sets):
     """In either KV form (stacked, the default, or paired), against the golden verify computes
-    in the build's KV format (trn2 FP8: e4m3, max 240): max error and forced routings at the bf16
+    in the build's KV format (trn3 FP8: OCP e4m3fn, max 448): max error and forced routings at the bf16
     level, FP8 or not."""
     out = _build(tmp_path, "topo", sets, "tiny-topology-trn3.yaml")
     rep = verify.run(out, steps=16)
     assert rep.ok and rep.kv == "tight", rep.to_dict()
-    assert rep.build_kv.startswith("bf16" if "kv_cache.dtype=bf16" in sets else "fp8_e4m3 ")
+    assert rep.build_kv.startswith("bf16" if "kv_cache.dtype=bf16" in sets else "fp8_e4m3fn ")
     assert len(rep.steps) == 20
     assert rep.max_abs_err <= 0.05 and rep.routing_forced <= 0.02 * rep.routing_total
 

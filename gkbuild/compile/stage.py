@@ -97,16 +97,15 @@ def prepare(plan, be: Backend) -> Backend:
     return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
 
 
-def refuse_unbuildable(recipe, spec) -> None:
+def refuse_unbuildable(recipe, config) -> None:
     """A Neuron recipe whose programs ``gkbuild plan`` refuses is refused before a build writes
-    anything, with or without the SDK (the same rules on the same plan: config.json only, no
-    weights): plan and compile give the same one line."""
+    anything, with or without the SDK (the same rules on the same plan, from the model config
+    alone): plan and compile give the same one line."""
     if recipe.backend != "neuron":
         return
-    from ..checkpoint.source import model_config
     from ..plan import make_plan
 
-    _refuse(make_plan(recipe, model_config(spec)), hostprofile.of(recipe))
+    _refuse(make_plan(recipe, config), hostprofile.of(recipe))
 
 
 def _refuse(plan, profile: dict | None, roots: dict | None = None) -> None:

@@ -471,9 +471,10 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     if spec.kind == "dir":
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
     if compile:  # what plan refuses is refused before anything is written
+        from ..checkpoint.source import model_config
         from ..compile.stage import refuse_unbuildable
 
-        refuse_unbuildable(recipe, spec)
+        refuse_unbuildable(recipe, model_config(spec))
     shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress:

@@ -465,10 +465,6 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     from ..publish import codec
 
     t0 = time.perf_counter()
-    if compile:  # what plan refuses is refused before the store is touched
-        from ..compile.stage import refuse_unbuildable
-
-        refuse_unbuildable(recipe, parse(recipe.source, base=recipe.path.parent if recipe.path else None))
     store = open_store(to, api=api, fs=fs)
     if isinstance(store, DirStore):  # workers elsewhere (Ray) open it by an absolute path
         store = open_store(str(Path(to).resolve()))
@@ -486,6 +482,10 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
         b.lease, b.hub = None, None
         b.resolve()
         b.validate()
+        if compile:  # what plan refuses is refused before the store is touched (its config, read by range)
+            from ..compile.stage import refuse_unbuildable
+
+            refuse_unbuildable(recipe, b.config)
         b.plan()
         b.base_use = disk.sample()
         b.check_scratch()
