@@ -216,6 +216,16 @@ class Remote:
         self._open.clear()
 
 
+def connect(uri: str, pin: dict | None = None, api=None, fs=None) -> Remote:
+    """The remote checkpoint ``uri`` names: S3, the hub, or a synth:// one generated as it is read
+    (``synth_ranged``); ``pin``: what an earlier listing of it saw (a worker gets the driver's)."""
+    if uri.startswith("synth://"):
+        from .synth_ranged import SynthRemote
+
+        return SynthRemote(uri, pin)
+    return Remote(uri, pin, api, fs)
+
+
 class RangedCheckpoint(Checkpoint):
     """A ``Checkpoint`` whose ``read`` fetches exactly the bytes asked for (no mapping); the same
     validation and value checks as a local one."""

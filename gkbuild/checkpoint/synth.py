@@ -38,12 +38,6 @@ DEFAULT_MAX_SHARD = 4 << 30
 _E2M1_RMS = math.sqrt(np.mean(np.array([0, .5, 1, 1.5, 2, 3, 4, 6]) ** 2))
 
 
-def _bits(seed: int, name: str, chunk: int, nbytes: int) -> tuple[np.ndarray, np.random.BitGenerator]:
-    """``nbytes`` random bytes for one chunk of one tensor (raw generator output: ~2 GB/s a core)."""
-    bg = np.random.PCG64DXSM(np.random.SeedSequence([seed, zlib.crc32(name.encode()), chunk]))
-    return bg.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes], bg
-
-
 def _bf16(raw: np.ndarray, rms: float) -> np.ndarray:
     """bf16 values from random bits: random sign and mantissa, an exponent spread over 4 octaves."""
     bits = raw.view(np.uint16)
@@ -68,24 +62,58 @@ def _fan_in(cfg: GptOssConfig, spec: TensorSpec) -> int:
     return cfg.H
 
 
-def generate(cfg: GptOssConfig, spec: TensorSpec, seed: int, chunk: int, count: int) -> np.ndarray:
-    """``count`` elements of chunk ``chunk`` of a tensor (flat, C order)."""
+def _itemsize(spec: TensorSpec) -> int:
+    return 1 if spec.name.endswith(("_blocks", "_scales")) else 2
+
+
+def _step(spec: TensorSpec) -> int:
+    """Elements a chunk of the tensor holds (the last one may hold fewer)."""
+    return max(1, CHUNK_BYTES // _itemsize(spec))
+
+
+def _piece(cfg: GptOssConfig, spec: TensorSpec, seed: int, chunk: int, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of chunk ``chunk`` of a tensor, generated alone.
+
+    A chunk is seeded by (seed, tensor, chunk); its elements are a function of the generator's
+    raw output at their own byte offsets, so the generator is advanced to ``lo`` (PCG64DXSM's
+    ``advance``: as if that many 64-bit words were drawn) and draws only what [lo, hi) needs.
+    Norms and sinks draw uniforms after the chunk's raw bytes (how the first synth drew them):
+    those small tensors draw their chunk's uniforms up to ``hi``."""
     n = spec.name
-    itemsize = 1 if n.endswith(("_blocks", "_scales")) else 2
-    raw, bg = _bits(seed, n, chunk, count * itemsize)
+    size = _itemsize(spec)
+    total = math.prod(spec.shape)
+    count = min(_step(spec), total - chunk * _step(spec))  # the chunk's elements
+    bg = np.random.PCG64DXSM(np.random.SeedSequence([seed, zlib.crc32(n.encode()), chunk]))
+    if n.endswith(("layernorm.weight", "sinks")) or n == names.FINAL_NORM:
+        bg.advance((count * size + 7) // 8)
+        low, high = (-2.0, 2.0) if n.endswith("sinks") else (-0.125, 0.125)
+        vals = np.random.Generator(bg).uniform(low, high, hi)[lo:]
+        return (vals if n.endswith("sinks") else 1.0 + vals).astype(dtype("bf16").numpy)
+    first = lo * size // 8
+    bg.advance(first)
+    skip = lo * size - first * 8
+    raw = bg.random_raw((hi * size - first * 8 + 7) // 8).view(np.uint8)[skip:skip + (hi - lo) * size]
     if n.endswith("_blocks"):
         return raw
     if n.endswith("_scales"):
         return _mx_scales(raw, _fan_in(cfg, spec))
-    if n.endswith("layernorm.weight") or n == names.FINAL_NORM:
-        return (1.0 + np.random.Generator(bg).uniform(-0.125, 0.125, count)).astype(dtype("bf16").numpy)
-    if n.endswith("sinks"):
-        return np.random.Generator(bg).uniform(-2.0, 2.0, count).astype(dtype("bf16").numpy)
     if n.endswith("bias"):
         return _bf16(raw, 2.0 ** -5)
     if n == names.EMBED:
         return _bf16(raw, 1.0)
     return _bf16(raw, 1.0 / math.sqrt(_fan_in(cfg, spec)))
+
+
+def pieces(cfg: GptOssConfig, spec: TensorSpec, seed: int, start: int, count: int):
+    """Elements [start, start + count) of a tensor (flat, C order), as one array a chunk touched:
+    any range costs only its own elements (what ``synthesize`` writes and ``synth_ranged`` reads)."""
+    step = _step(spec)
+    end = start + count
+    while start < end:
+        chunk, lo = divmod(start, step)
+        hi = min(step, lo + end - start)
+        yield _piece(cfg, spec, seed, chunk, lo, hi)
+        start += hi - lo
 
 
 def shard_specs(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -101,12 +129,31 @@ def shard_specs(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
     return files
 
 
+def weight_files(cfg: GptOssConfig, max_shard_bytes: int = DEFAULT_MAX_SHARD) -> dict[str, list[TensorSpec]]:
+    """The weight files ``synthesize`` writes, in order: file name -> its tensors."""
+    groups = shard_specs(names.expected_specs(cfg), max_shard_bytes)
+    return {f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors": g for k, g in enumerate(groups)}
+
+
+def index_bytes(files: dict[str, list[TensorSpec]]) -> bytes:
+    """The ``model.safetensors.index.json`` of those weight files."""
+    total = sum(s.nbytes for g in files.values() for s in g)
+    weight_map = {s.name: f for f, g in files.items() for s in g}
+    return (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode()
+
+
+def config_bytes(cfg: GptOssConfig, seed: int) -> bytes:
+    """The ``config.json``: the model's HF config, and what synthesized it."""
+    hf = cfg.to_hf()
+    hf["gkbuild_synth"] = {"seed": seed, "version": SYNTH_VERSION}
+    return (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
+
+
 def _chunks(spec: TensorSpec):
-    """(chunk index, first element, element count) covering a tensor in ~16 MB pieces."""
-    total = math.prod(spec.shape)
-    step = max(1, CHUNK_BYTES // (spec.nbytes // max(total, 1)))
-    for chunk, start in enumerate(range(0, total, step)):
-        yield chunk, start, min(step, total - start)
+    """(first element, element count) of each chunk of a tensor."""
+    total, step = math.prod(spec.shape), _step(spec)
+    for start in range(0, total, step):
+        yield start, min(step, total - start)
 
 
 def synthesize(cfg: GptOssConfig, out: Path, seed: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD,
@@ -119,31 +166,23 @@ def synthesize(cfg: GptOssConfig, out: Path, seed: int = 0, max_shard_bytes: int
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        groups = shard_specs(names.expected_specs(cfg), max_shard_bytes)
-        n = len(groups)
-        weight_map: dict[str, str] = {}
-        for k, group in enumerate(groups):
-            fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        files = weight_files(cfg, max_shard_bytes)
+        for fname, group in files.items():
             # Chunks are independent (own seed, own offset): generate and write them on a thread
             # pool; the generator and the writes release the GIL.
             with SafetensorsWriter(tmp / fname, group) as w, \
                     ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-                def job(spec, chunk, start, count, w=w):
-                    data = generate(cfg, spec, seed, chunk, count)
-                    w.write(spec.name, data, start)
-                    advance(data.nbytes)
+                def job(spec, start, count, w=w):
+                    for data in pieces(cfg, spec, seed, start, count):
+                        w.write(spec.name, data, start)
+                        start += data.size
+                        advance(data.nbytes)
 
                 futures = [pool.submit(job, spec, *c) for spec in group for c in _chunks(spec)]
                 for f in futures:
                     f.result()
-                for spec in group:
-                    weight_map[spec.name] = fname
-        total = sum(s.nbytes for g in groups for s in g)
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                            indent=2) + "\n")
-        hf = cfg.to_hf()
-        hf["gkbuild_synth"] = {"seed": seed, "version": SYNTH_VERSION}
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        (tmp / INDEX).write_bytes(index_bytes(files))
+        (tmp / "config.json").write_bytes(config_bytes(cfg, seed))
         synth_tokenizer.write(cfg, tmp)
         for p in tmp.iterdir():
             with open(p, "rb") as f:
