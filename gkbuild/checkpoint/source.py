@@ -1,8 +1,17 @@
 """Where a build's checkpoint comes from: ``hf://org/name@rev``, ``s3://bucket/prefix``, a local
 folder, or ``synth://PRESET``.
 
-``synth://PRESET?layers=N&seed=S`` is synthesized once into the gkbuild cache (``$GKBUILD_CACHE``,
-default ``~/.cache/gkbuild``) and reused: synthesis is deterministic for a seed.
+``synth://PRESET?layers=N&seed=S`` names the checkpoint ``gkbuild synth PRESET --layers N --seed S``
+writes (deterministic for a seed). It is read one of two ways, the same bytes either way (so the
+same build id), chosen by ``$GKBUILD_SYNTH_READ``:
+- ``auto`` (the default): the copy synthesized into the gkbuild cache (``$GKBUILD_CACHE``, default
+  ``~/.cache/gkbuild``) when there is one; else synthesized there once and memory-mapped when it
+  is at most ``SYNTH_DISK_MAX`` (16 GiB: every test preset, the 120b up to 8 layers), else read by
+  range and never written (``synth_ranged``: the 36-layer 120b, 61 GB, on a small disk);
+- ``range``: by range, whatever its size (the cached copy is not used);
+- ``disk``: synthesized into the cache, whatever its size.
+``synth_by_range`` says which. Read by range, it is a source like ``s3://`` and ``hf://`` for
+``checkpoint.ranged`` (``ranged.connect``): the streamed build, the build and the golden read it so.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from ..paths import file_lock
 from ..progress import Advance
 
 SYNTH_KEYS = ("layers", "seed")
+SYNTH_READ = "GKBUILD_SYNTH_READ"  # auto | range | disk (the module's docstring)
+SYNTH_DISK_MAX = 16 << 30
 # Hub repos whose config a preset reproduces: planning can proceed offline from the preset.
 KNOWN_REPOS = {"openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt-oss-20b"}
 
@@ -59,6 +70,8 @@ def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpe
             seed = int(q.get("seed", 0))
         except ValueError:
             raise GkError(f"{key}: synth layers and seed must be integers in {text!r}") from None
+        if not 0 <= seed < 2 ** 63:
+            raise GkError(f"{key}: synth seed must be in 0..2^63-1 in {text!r}")
         cfg.with_layers(layers)  # range check
         return SourceSpec("synth", f"synth://{name}?layers={layers}&seed={seed}", name, layers, seed)
     if text.startswith("s3://"):
@@ -118,8 +131,25 @@ def synth_cache_dir(spec: SourceSpec) -> Path:
     return cache_root() / "synth" / f"{spec.preset}-L{spec.layers}-s{spec.seed}-v{SYNTH_VERSION}"
 
 
+def synth_by_range(spec: SourceSpec) -> bool:
+    """Whether a synth:// source is read by range rather than from disk (the module's docstring)."""
+    if spec.kind != "synth":
+        return False
+    mode = os.environ.get(SYNTH_READ, "auto") or "auto"
+    if mode not in ("auto", "range", "disk"):
+        raise GkError(f"{SYNTH_READ}={mode!r}: expected auto, range or disk")
+    if mode != "auto":
+        return mode == "range"
+    if (synth_cache_dir(spec) / "config.json").exists():
+        return False
+    from . import names
+
+    return sum(s.nbytes for s in names.expected_specs(synth_config(spec))) > SYNTH_DISK_MAX
+
+
 def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
-    """The local checkpoint folder for a source (downloading or synthesizing as needed)."""
+    """The local checkpoint folder for a source (downloading or synthesizing as needed). A synth
+    source read by range (``synth_by_range``) is never written: refused."""
     if spec.kind == "dir":
         p = Path(spec.path)
         if not p.is_dir():
@@ -134,6 +164,9 @@ def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
 
         return resolve_s3(spec.uri, advance)
     out = synth_cache_dir(spec)
+    if synth_by_range(spec):
+        raise GkError(f"source {spec.uri}: read by range, never written here; this needs it on disk "
+                      f"({SYNTH_READ}=disk synthesizes it into {cache_root()})")
     if (out / "config.json").exists():
         return out
     from .synth import synthesize

@@ -129,9 +129,10 @@ def shard_specs(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
     return files
 
 
-def weight_files(cfg: GptOssConfig, max_shard_bytes: int = DEFAULT_MAX_SHARD) -> dict[str, list[TensorSpec]]:
-    """The weight files ``synthesize`` writes, in order: file name -> its tensors."""
-    groups = shard_specs(names.expected_specs(cfg), max_shard_bytes)
+def weight_files(cfg: GptOssConfig, max_shard_bytes: int | None = None) -> dict[str, list[TensorSpec]]:
+    """The weight files ``synthesize`` writes, in order: file name -> its tensors (files of at
+    most ``DEFAULT_MAX_SHARD`` bytes unless told)."""
+    groups = shard_specs(names.expected_specs(cfg), max_shard_bytes or DEFAULT_MAX_SHARD)
     return {f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors": g for k, g in enumerate(groups)}
 
 

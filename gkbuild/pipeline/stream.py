@@ -4,7 +4,9 @@ on bounded local disk.
 The stages are ``compile``'s (the same plan, keys, metadata, compile stage and manifest, so the
 build id is the same), with three differences:
 - the source is read by byte range, one tensor (or slice) at a time (``checkpoint.ranged``):
-  ``s3://`` and ``hf://`` are never mirrored; a folder or ``synth://`` is memory-mapped as usual;
+  ``s3://`` and ``hf://`` are never mirrored, nor is a ``synth://`` source read by range
+  (``source.synth_by_range``: generated as it is read); a folder or another ``synth://`` is
+  memory-mapped as usual;
 - each shard is written to a staging file, stored as a blob (``publish.put_blob``: the encoding
   publish would choose, hashed on the way) and deleted; how many shards are staged at once is
   bounded by ``--scratch-limit``, which must hold at least the largest shard (for the hub, also its
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoint.reader import INDEX
-from ..checkpoint.source import cache_root, materialize, parse
+from ..checkpoint.source import cache_root, materialize, parse, synth_by_range
 from ..errors import GkError
 from ..paths import STATE_DIR, claim, inside
 from ..plan import ShardFile
@@ -97,10 +99,10 @@ def run_stream_shard(sj: StreamJob) -> list[dict]:
 
     ck = None
     if "://" in sj.ctx.ckpt_root:
-        from ..checkpoint.ranged import RangedCheckpoint, Remote
+        from ..checkpoint.ranged import RangedCheckpoint, connect
 
         if sj.ctx.ckpt_root not in _remote:
-            _remote[sj.ctx.ckpt_root] = RangedCheckpoint.open_remote(Remote(sj.ctx.ckpt_root, sj.pin), plain=True)
+            _remote[sj.ctx.ckpt_root] = RangedCheckpoint.open_remote(connect(sj.ctx.ckpt_root, sj.pin), plain=True)
         ck = _remote[sj.ctx.ckpt_root]
         use_checkpoint(sj.ctx.ckpt_root, ck)
     if sj.store not in _stores:
@@ -213,10 +215,10 @@ class _StreamBuild(_Build):
         t0 = time.perf_counter()
         self.spec = parse(self.recipe.source, base=self.recipe.path.parent if self.recipe.path else None)
         self.remote = None
-        if self.spec.kind in ("s3", "hf"):
-            from ..checkpoint.ranged import Remote
+        if self.spec.kind in ("s3", "hf") or synth_by_range(self.spec):
+            from ..checkpoint.ranged import connect
 
-            self.remote = Remote(self.spec.uri)
+            self.remote = connect(self.spec.uri)
             self.remote.files()  # listed once: every later read is pinned to this listing
             self.root = None
         else:
@@ -239,8 +241,8 @@ class _StreamBuild(_Build):
         self.identity = [[n, self.remote.file(n).size, self.remote.file(n).tag] for n in self.names]
         self.recipe.check_against(self.config)
         self._validated = key("validated", self.identity, self.recipe.digest(), __version__)
-        self.ckpt_root = self.remote.uri if self.remote.kind == "s3" else \
-            f"hf://{self.remote.ref.repo}@{self.remote.pin['commit']}"
+        self.ckpt_root = f"hf://{self.remote.ref.repo}@{self.remote.pin['commit']}" if self.remote.kind == "hf" \
+            else self.remote.uri
         self.report("validate", True, t0, f"{len(self.names)} files, headers read by range")
 
     # -- the source's hashes (the manifest records them) ---------------------------------------
