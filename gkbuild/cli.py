@@ -394,7 +394,7 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
       gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --chat
       gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
     """
-    from .checkpoint.source import materialize, model_config, parse
+    from .checkpoint.source import model_config, open_source, parse
     from .golden import default_prompts, for_checkpoint
     from .reference import KvFormat, check_size
 
@@ -408,7 +408,7 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
     if any(not 0 <= t < vocab for p in prompts for t in p):
         raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
     check_size(cfg, prompts, steps)
-    g = for_checkpoint(materialize(spec), prompts, steps, fmt, device, quiet, meta)
+    g = for_checkpoint(open_source(spec), prompts, steps, fmt, device, quiet, meta)
     g.save(out_file)
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
 

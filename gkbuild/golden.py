@@ -187,12 +187,15 @@ def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_fil
 
 def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf16"), device: str = "cpu",
                    quiet: bool = True, text: dict | None = None) -> Golden:
-    """Reference logits for a checkpoint folder, recording its content hash."""
+    """Reference logits for a checkpoint folder (or a ``checkpoint.ranged.Remote``, read by range),
+    recording its content hash."""
     from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
     from .checkpoint.source import cache_root
 
     fps = Fingerprints(cache_root())
+    if not isinstance(root, Path):
+        return compute(root, prompts, steps, remote_files(root, fps), kv, device, quiet, text)
     names = ["config.json"] + ([INDEX] if (root / INDEX).exists() else []) + weight_files(root)
     files = []
     for n in names:
@@ -202,3 +205,20 @@ def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf1
         files.append({"name": n, "sha256": digest})
     fps.save()
     return compute(root, prompts, steps, files, kv, device, quiet, text)
+
+
+def remote_files(remote, fps) -> list[dict]:
+    """Each file of a remote checkpoint (its config, index and weights) with its sha256: from the
+    listing, remembered by the fingerprint cache (keyed as a streamed build keys them), or read."""
+    from .checkpoint.reader import INDEX
+
+    weights, _ = remote.weight_files()
+    out = []
+    for n in ["config.json", *([INDEX] if INDEX in remote.files() else []), *weights]:
+        f = remote.file(n)
+        ident = f"{remote.uri}/{n}|{f.size}|{f.tag}"
+        digest = f.sha256 or fps.lookup_remote(ident) or remote.sha256(n)
+        fps.remember_remote(ident, digest)
+        out.append({"name": n, "sha256": digest})
+    fps.save()
+    return out

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import heap, hf_mxfp4, parallel
+from . import heap, hf_mxfp4, jsonio, parallel
 from .checkpoint import names
 from .checkpoint.reader import Checkpoint
 from .errors import GkError
@@ -148,11 +148,17 @@ def _register_attention() -> str:
     return "gkbuild_kv"
 
 
-def hf_config(root: Path, kv: KvFormat):
-    """transformers' GptOssConfig of a checkpoint folder, with our attention for a rounded cache."""
+def hf_config(root, kv: KvFormat):
+    """transformers' GptOssConfig of a checkpoint folder (or of a ``ranged.Remote``'s config.json),
+    with our attention for a rounded cache."""
     from transformers import GptOssConfig
 
-    cfg = GptOssConfig.from_pretrained(str(root))
+    if isinstance(root, Path | str):
+        cfg = GptOssConfig.from_pretrained(str(root))
+    else:
+        from .checkpoint.ranged import MAX_CONFIG
+
+        cfg = GptOssConfig.from_dict(jsonio.loads(root.small("config.json", MAX_CONFIG), f"{root.uri}/config.json"))
     cfg._attn_implementation = "eager" if kv.dtype == "fp32" else _register_attention()
     return cfg
 
@@ -333,9 +339,18 @@ def check_size(cfg, prompts: list[list[int]], steps: int) -> None:
                       f"give fewer or shorter prompts or fewer steps")
 
 
+def open_checkpoint(root) -> Checkpoint:
+    """A checkpoint folder mapped, or a ``checkpoint.ranged.Remote`` read by range."""
+    if isinstance(root, Path | str):
+        return Checkpoint.open(root)
+    from .checkpoint.ranged import RangedCheckpoint
+
+    return RangedCheckpoint.open_remote(root)
+
+
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
         quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
-    """Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
+    """(``root``: a checkpoint folder, or a ``checkpoint.ranged.Remote``.) Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
     tokens, layer by layer: one pass for the prompts' common prefix, one a position after it.
     Returns ``token_ids`` [P, T], ``logits`` [P, T, V], ``hidden`` [P, L, T, H] (after every
     layer), ``routing`` [P, L, T, k] (the experts chosen), ``router_gap`` [P, L, T] (the margin
@@ -353,7 +368,7 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
     heap.reuse_large_blocks()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the parallelism is the experts' (parallel.each); tiny matmuls gain nothing
-    ck = Checkpoint.open(root)
+    ck = open_checkpoint(root)
     try:
         cfg = hf_config(root, kv)
         V, L = cfg.vocab_size, cfg.num_hidden_layers

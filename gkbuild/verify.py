@@ -413,7 +413,7 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
                 quiet: bool, fits):
     """The golden of the build's source in the build's KV format; ``fits(positions)`` refuses a
     run the build cannot hold, called once the length is known (text prompts: their token count)."""
-    from .checkpoint.source import materialize, parse
+    from .checkpoint.source import open_source, parse
     from .golden import default_prompts, for_checkpoint
 
     # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
@@ -423,9 +423,9 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
 
         ids = text.encode(text.tokenizer(spec), texts, chat)
         fits(max(map(len, ids)) + steps)
-        return for_checkpoint(materialize(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
+        return for_checkpoint(open_source(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
     fits(prompt_len + steps)
-    return for_checkpoint(materialize(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
+    return for_checkpoint(open_source(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
                           device, quiet)
 
 

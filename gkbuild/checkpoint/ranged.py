@@ -295,6 +295,9 @@ class RangedCheckpoint(Checkpoint):
     def release(self, name: str, lo: int | None = None, hi: int | None = None) -> None:
         """Nothing is mapped: the bytes go with the arrays (the memo is bounded)."""
 
+    def prefetch(self, name: str, lo: int, hi: int) -> None:
+        """Nothing is mapped: the read fetches."""
+
     def close(self) -> None:
         self.remote.close()
 

@@ -147,6 +147,16 @@ def synth_by_range(spec: SourceSpec) -> bool:
     return sum(s.nbytes for s in names.expected_specs(synth_config(spec))) > SYNTH_DISK_MAX
 
 
+def open_source(spec: SourceSpec, advance: Advance = lambda n: None):
+    """What a reader of the whole checkpoint (the golden) opens: a ``checkpoint.ranged.Remote``
+    for a source read by range (``synth_by_range``), else the local folder (``materialize``)."""
+    if synth_by_range(spec):
+        from .ranged import connect
+
+        return connect(spec.uri)
+    return materialize(spec, advance)
+
+
 def materialize(spec: SourceSpec, advance: Advance = lambda n: None) -> Path:
     """The local checkpoint folder for a source (downloading or synthesizing as needed). A synth
     source read by range (``synth_by_range``) is never written: refused."""

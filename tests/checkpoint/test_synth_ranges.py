@@ -186,3 +186,23 @@ def test_a_checkpoint_read_by_range_is_never_materialized(tmp_path, monkeypatch)
     with pytest.raises(GkError, match="read by range"):
         materialize(parse("synth://tiny?layers=2&seed=0"))
     assert not any(tmp_path.iterdir())
+
+
+def test_the_golden_by_range_equals_the_golden_from_the_synthesized_folder(tmp_path):
+    """``gkbuild golden synth://tiny...`` read by range (nothing synthesized) and from the folder:
+    every tensor bit for bit and the metadata (the checkpoint's content hash included) equal. The
+    files are compared by content: safetensors writes metadata keys in no fixed order."""
+    from safetensors import safe_open
+
+    got = {}
+    for mode in ("range", "disk"):
+        cache, out = tmp_path / f"cache-{mode}", tmp_path / f"{mode}.safetensors"
+        r = run_cli("golden", "synth://tiny?layers=2&seed=0", "--out", str(out), "-q", "--steps", "2",
+                    "--prompts", "2", env={"GKBUILD_CACHE": str(cache), "GKBUILD_SYNTH_READ": mode})
+        assert r.returncode == 0, r.stderr
+        assert (cache / "synth").exists() == (mode == "disk")
+        with safe_open(str(out), "np") as f:
+            got[mode] = (f.metadata(), {k: f.get_tensor(k) for k in f.keys()})
+    (meta_r, t_r), (meta_d, t_d) = got["range"], got["disk"]
+    assert meta_r == meta_d and json.loads(meta_r["meta"])["checkpoint_sha256"]
+    assert t_r.keys() == t_d.keys() and all(t_r[k].tobytes() == t_d[k].tobytes() for k in t_r)
