@@ -83,8 +83,14 @@ def use_checkpoint(root: str, ck) -> None:
 
 
 def _checkpoint(root: str) -> Checkpoint:
+    """The build's source: a folder mapped, or a source read by range (``ranged.connect``)."""
     if root not in _ck:
-        _ck[root] = Checkpoint.open(root, plain=True)  # bf16 as u16 bits: no ml_dtypes in a build
+        if "://" in root:
+            from ..checkpoint.ranged import RangedCheckpoint, connect
+
+            _ck[root] = RangedCheckpoint.open_remote(connect(root), plain=True)
+        else:
+            _ck[root] = Checkpoint.open(root, plain=True)  # bf16 as u16 bits: no ml_dtypes in a build
     return _ck[root]
 
 
@@ -250,7 +256,11 @@ def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:
     return job.path, path.stat().st_size, w.sha256
 
 
-def run_hash(path: str) -> tuple[str, str]:
+def run_hash(root: str, name: str) -> tuple[str, str]:
+    """(name, sha256) of a source file: in the folder ``root``, or read by range (a URI)."""
     from pathlib import Path
 
-    return path, sha256_file(Path(path), lambda n: _report(n, "hash"))
+    advance = lambda n: _report(n, "hash")  # noqa: E731
+    if "://" in root:
+        return name, _checkpoint(root).remote.sha256(name, advance)
+    return name, sha256_file(Path(root) / name, advance)

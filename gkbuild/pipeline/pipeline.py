@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import __version__
 from ..checkpoint.reader import INDEX, weight_files
 from ..checkpoint.safetensors_io import fsync_dir, syncfs
-from ..checkpoint.source import cache_root, materialize, parse, synth_cache_dir, synth_config
+from ..checkpoint.source import cache_root, materialize, parse, synth_by_range, synth_cache_dir, synth_config
 from ..errors import GkError
 from ..layout import LAYOUT_VERSION
 from ..layout.tail import owned_rows
@@ -195,10 +195,24 @@ class _Build:
                                         detail))
 
     # -- resolve, validate, plan ----------------------------------------------------------------
+    def _by_range(self) -> bool:
+        """Whether the source is read by range (``checkpoint.ranged``) rather than from a folder:
+        a synth:// one that is never written (``source.synth_by_range``)."""
+        return synth_by_range(self.spec)
+
     def resolve(self) -> None:
         t0 = time.perf_counter()
         r = self.recipe
         self.spec = parse(r.source, base=r.path.parent if r.path else None)
+        self.remote = None
+        if self._by_range():
+            from ..checkpoint.ranged import connect
+
+            self.remote = connect(self.spec.uri)
+            self.remote.files()  # listed once: every later read is pinned to this listing
+            self.root = None
+            self.report("resolve", False, t0, self.spec.uri)
+            return
         synthesize = self.spec.kind == "synth" and not (synth_cache_dir(self.spec) / "config.json").exists()
         if synthesize:
             from ..checkpoint.synth import total_bytes
@@ -215,21 +229,35 @@ class _Build:
 
     def validate(self) -> None:
         t0 = time.perf_counter()
-        self.config = GptOssConfig.from_file(self.root / "config.json")
-        names = ["config.json"] + ([INDEX] if (self.root / INDEX).exists() else []) + weight_files(self.root)
-        self.source_files = sorted((self.root / n for n in names), key=lambda p: p.name)
-        self.identity = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in self.source_files]
+        if self.remote is None:
+            self.config = GptOssConfig.from_file(self.root / "config.json")
+            self.names = sorted(["config.json"] + ([INDEX] if (self.root / INDEX).exists() else [])
+                                + weight_files(self.root))
+            stats = [(self.root / n).stat() for n in self.names]
+            self.identity = [[n, st.st_size, st.st_mtime_ns] for n, st in zip(self.names, stats)]
+            self.ckpt_root = str(self.root)
+        else:  # its headers read by range and cross-checked (every time: nothing local records them)
+            from ..checkpoint.ranged import RangedCheckpoint
+
+            ck = RangedCheckpoint.open_remote(self.remote)
+            self.config = ck.config
+            self.names = sorted(["config.json", *([INDEX] if INDEX in self.remote.files() else []), *ck.headers])
+            self.identity = [[n, self.remote.file(n).size, self.remote.file(n).tag] for n in self.names]
+            self.ckpt_root = f"hf://{self.remote.ref.repo}@{self.remote.pin['commit']}" \
+                if self.remote.kind == "hf" else self.remote.uri
         # Whether these exact files were validated before is remembered by name, size and mtime (in
         # the folder's state only); the manifest's stage key hashes their content (set in shards).
         checked = key("validated", self.identity, self.recipe.digest(), __version__)
-        cached = self.state.source.get("validated") == checked
+        cached = self.remote is None and self.state.source.get("validated") == checked
         if not cached:
-            from ..checkpoint.reader import Checkpoint
+            if self.remote is None:
+                from ..checkpoint.reader import Checkpoint
 
-            Checkpoint.open(self.root).close()
+                Checkpoint.open(self.root).close()
             self.recipe.check_against(self.config)
         self._validated = checked
-        self.report("validate", not cached, t0, f"{len(self.source_files)} files, headers checked")
+        self.report("validate", not cached, t0,
+                    f"{len(self.names)} files, headers {'read by range' if self.remote else 'checked'}")
 
     def plan(self) -> None:
         t0 = time.perf_counter()
@@ -242,8 +270,8 @@ class _Build:
     def shards(self) -> None:
         t0 = time.perf_counter()
         self.fps = Fingerprints(cache_root())
-        self.digests = {p.name: self.fps.lookup(p) for p in self.source_files}
-        unknown = [p for p in self.source_files if self.digests[p.name] is None]
+        self.digests = {n: self._lookup(self.fps, n) for n in self.names}
+        unknown = [n for n in self.names if self.digests[n] is None]
         self._results: dict[str, tuple[int, str]] = {}
         self._unrecorded: list[ShardFile] = []
         self._last_sync = time.monotonic()
@@ -264,13 +292,13 @@ class _Build:
                 from .emit import Context, ShardJob, run_shard
 
                 runner = runner or _Runner(self.jobs, self.progress, self._preload())
-                ctx = Context(str(self.root), str(self.out), self.plan_.dims, self.recipe.experts,
+                ctx = Context(self.ckpt_root, str(self.out), self.plan_.dims, self.recipe.experts,
                               _v_scale(self.recipe), self.recipe.decode.embedding,
                               self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
                 self.progress.task("shards", "emit shards", sum(f.nbytes for f in todo))
                 calls = (self._hash_calls(unknown) if unknown else []) + [
                     (run_shard, (ctx, ShardJob(f.role, f.index, f.path, f.tensors)), ("shard", f)) for f in todo]
-                calls.sort(key=lambda c: -(c[2][1].stat().st_size if c[2][0] == "hash" else c[2][1].nbytes))
+                calls.sort(key=lambda c: -(self._size(c[2][1]) if c[2][0] == "hash" else c[2][1].nbytes))
                 runner.run(calls, self._on_done)
                 if unknown:
                     self.fps.save()
@@ -303,11 +331,33 @@ class _Build:
     def source_fp(self) -> str:
         return key("source", sorted(self.digests.items()))
 
-    def _hash_calls(self, files: list[Path]) -> list:
+    def _hash_calls(self, names: list[str]) -> list:
         from .emit import run_hash
 
-        self.progress.task("hash", "hash source", sum(p.stat().st_size for p in files))
-        return [(run_hash, (str(p),), ("hash", p)) for p in files]
+        self.progress.task("hash", "hash source", sum(self._size(n) for n in names))
+        return [(run_hash, (self.ckpt_root, n), ("hash", n)) for n in names]
+
+    # -- the source's files, in a folder or read by range ----------------------------------------
+    def _ident(self, name: str) -> str | None:
+        """What pins a remote file's content (its location, size and ETag, commit or synth version)."""
+        if self.remote is None:
+            return None
+        f = self.remote.file(name)
+        return f"{self.ckpt_root}/{name}|{f.size}|{f.tag}"
+
+    def _lookup(self, fps: Fingerprints, name: str) -> str | None:
+        if self.remote is None:
+            return fps.lookup(self.root / name)
+        return self.remote.file(name).sha256 or fps.lookup_remote(self._ident(name))
+
+    def _remember(self, fps: Fingerprints, name: str, digest: str) -> None:
+        if self.remote is None:
+            fps.remember(self.root / name, digest)
+        else:
+            fps.remember_remote(self._ident(name), digest)
+
+    def _size(self, name: str) -> int:
+        return self.remote.file(name).size if self.remote else (self.root / name).stat().st_size
 
     def _todo(self) -> list[ShardFile]:
         """Shards to (re)write: no record, a different key, or the file gone or resized."""
@@ -324,8 +374,8 @@ class _Build:
     def _on_done(self, tag, result) -> None:
         kind, obj = tag
         if kind == "hash":
-            self.digests[obj.name] = result[1]
-            self.fps.remember(obj, result[1])
+            self.digests[obj] = result[1]
+            self._remember(self.fps, obj, result[1])
             return
         path, size, sha = result
         self._results[path] = (size, sha)
@@ -425,13 +475,14 @@ class _Build:
 
     def _source_info(self) -> dict:
         info = self.spec.describe()
-        if self.spec.kind == "hf":
+        if self.spec.kind == "hf" and self.remote:
+            info.update(repo=self.remote.ref.repo, revision=self.remote.ref.revision, commit=self.remote.pin["commit"])
+        elif self.spec.kind == "hf":
             from ..checkpoint.hub import parse as parse_hf
 
             ref = parse_hf(self.spec.uri)
             info.update(repo=ref.repo, revision=ref.revision, commit=self.root.name)
-        info["files"] = [{"name": p.name, "size": p.stat().st_size, "sha256": self.digests[p.name]}
-                         for p in self.source_files]
+        info["files"] = [{"name": n, "size": self._size(n), "sha256": self.digests[n]} for n in self.names]
         return info
 
 

@@ -35,8 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import __version__
-from ..checkpoint.reader import INDEX
-from ..checkpoint.source import cache_root, materialize, parse, synth_by_range
+from ..checkpoint.source import cache_root
 from ..errors import GkError
 from ..paths import STATE_DIR, claim, inside
 from ..plan import ShardFile
@@ -211,69 +210,14 @@ class _StreamBuild(_Build):
         for leftover in (out / "weights").glob("*") if (out / "weights").is_dir() else []:
             leftover.unlink()  # a killed run's staged shards (this folder is gkbuild's: claimed)
 
-    def resolve(self) -> None:
-        t0 = time.perf_counter()
-        self.spec = parse(self.recipe.source, base=self.recipe.path.parent if self.recipe.path else None)
-        self.remote = None
-        if self.spec.kind in ("s3", "hf") or synth_by_range(self.spec):
-            from ..checkpoint.ranged import connect
-
-            self.remote = connect(self.spec.uri)
-            self.remote.files()  # listed once: every later read is pinned to this listing
-            self.root = None
-        else:
-            self.root = materialize(self.spec)
-        self.report("resolve", False, t0, self.spec.uri if self.spec.kind != "dir" else str(self.root))
-
-    def validate(self) -> None:
-        if self.remote is None:
-            super().validate()
-            self.names = [p.name for p in self.source_files]
-            self.ckpt_root = str(self.root)
-            return
-        from ..checkpoint.ranged import RangedCheckpoint
-
-        t0 = time.perf_counter()
-        ck = RangedCheckpoint.open_remote(self.remote)
-        self.config = ck.config
-        files = sorted(ck.headers)
-        self.names = sorted(["config.json", *([INDEX] if INDEX in self.remote.files() else []), *files])
-        self.identity = [[n, self.remote.file(n).size, self.remote.file(n).tag] for n in self.names]
-        self.recipe.check_against(self.config)
-        self._validated = key("validated", self.identity, self.recipe.digest(), __version__)
-        self.ckpt_root = f"hf://{self.remote.ref.repo}@{self.remote.pin['commit']}" if self.remote.kind == "hf" \
-            else self.remote.uri
-        self.report("validate", True, t0, f"{len(self.names)} files, headers read by range")
-
-    # -- the source's hashes (the manifest records them) ---------------------------------------
-    def _ident(self, name: str) -> str | None:
-        if self.remote is None:
-            return None
-        f = self.remote.file(name)
-        return f"{self.ckpt_root}/{name}|{f.size}|{f.tag}"
-
-    def _lookup(self, fps: Fingerprints, name: str) -> str | None:
-        if self.remote is None:
-            return fps.lookup(self.root / name)
-        return self.remote.file(name).sha256 or fps.lookup_remote(self._ident(name))
+    def _by_range(self) -> bool:
+        return self.spec.kind in ("s3", "hf") or super()._by_range()
 
     def _hash(self, name: str) -> str:
         advance = self.progress.advancer("hash")
         if self.remote is None:
             return sha256_file(self.root / name, advance)
         return self.remote.sha256(name, advance)
-
-    def _source_info(self) -> dict:
-        if self.remote is None:
-            return super()._source_info()
-        info = self.spec.describe()
-        if self.remote.kind == "hf":
-            info.update(repo=self.remote.ref.repo, revision=self.remote.ref.revision, commit=self.remote.pin["commit"])
-        info["files"] = [{"name": n, "size": self._size(n), "sha256": self.digests[n]} for n in self.names]
-        return info
-
-    def _size(self, name: str) -> int:
-        return self.remote.file(name).size if self.remote else (self.root / name).stat().st_size
 
     # -- shards ----------------------------------------------------------------------------------
     def check_scratch(self) -> None:
@@ -353,10 +297,7 @@ class _StreamBuild(_Build):
         if self._hashing and (wait or all(f.done() for f in self._hashing.values())):
             for n, fut in self._hashing.items():
                 self.digests[n] = fut.result()
-                if self.remote is None:
-                    self._fps.remember(self.root / n, self.digests[n])
-                else:
-                    self._fps.remember_remote(self._ident(n), self.digests[n])
+                self._remember(self._fps, n, self.digests[n])
             self._fps.save()
             self._hashing = {}
         return not self._hashing

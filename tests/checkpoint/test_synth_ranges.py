@@ -206,3 +206,19 @@ def test_the_golden_by_range_equals_the_golden_from_the_synthesized_folder(tmp_p
     (meta_r, t_r), (meta_d, t_d) = got["range"], got["disk"]
     assert meta_r == meta_d and json.loads(meta_r["meta"])["checkpoint_sha256"]
     assert t_r.keys() == t_d.keys() and all(t_r[k].tobytes() == t_d[k].tobytes() for k in t_r)
+
+
+def test_a_build_by_range_equals_the_build_from_the_synthesized_folder(tmp_path):
+    """``compile --out`` of tiny-topology read by range (its workers generate what they read;
+    nothing synthesized) and from the folder: the same manifest (build id) and the same shards."""
+    builds = {}
+    for mode in ("range", "disk"):
+        cache = tmp_path / f"cache-{mode}"
+        r = run_cli("compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--out", str(tmp_path / mode),
+                    "--no-compile", "-q", env={"GKBUILD_CACHE": str(cache), "GKBUILD_SYNTH_READ": mode})
+        assert r.returncode == 0, r.stderr
+        assert (cache / "synth").exists() == (mode == "disk")
+        builds[mode] = {p.relative_to(tmp_path / mode).as_posix(): p.read_bytes()
+                        for p in (tmp_path / mode).rglob("*") if p.is_file() and ".gkbuild" not in p.parts}
+    assert json.loads(builds["range"]["manifest.json"])["build_id"] == json.loads(builds["disk"]["manifest.json"])["build_id"]
+    assert builds["range"] == builds["disk"]
