@@ -7,7 +7,9 @@ MXFP4 blocks are uniform random codes; each block's E8M0 scale is set so the blo
 1/sqrt(fan_in), with a +-1 jitter.
 
 Tensors are generated in chunks of about 16 MB, each from its own seed (seed, tensor, chunk), and
-written positionally, so memory stays flat whatever the model size. A small byte-level BPE
+written positionally, so memory stays flat whatever the model size. Any element range of a chunk
+is generated alone (``pieces``: the generator advanced to its offset), which is how
+``synth_ranged`` serves a synth:// checkpoint by byte range without writing it. A small byte-level BPE
 tokenizer and a chat template (``synth_tokenizer``) go beside the weights, so text prompts work.
 """
 
@@ -105,7 +107,7 @@ def _piece(cfg: GptOssConfig, spec: TensorSpec, seed: int, chunk: int, lo: int, 
 
 
 def pieces(cfg: GptOssConfig, spec: TensorSpec, seed: int, start: int, count: int):
-    """Elements [start, start + count) of a tensor (flat, C order), as one array a chunk touched:
+    """Elements [start, start + count) of a tensor (flat, C order), one array per chunk touched:
     any range costs only its own elements (what ``synthesize`` writes and ``synth_ranged`` reads)."""
     step = _step(spec)
     end = start + count
