@@ -1,0 +1,77 @@
+"""A published build opened where it is stored: each file read from its blob when the runtime first
+asks for it, decoded (``codec``, as a fetch does) and hashed on the way, and refused by name if
+its bytes are not the manifest's. The bytes live in an anonymous in-memory file (``memfd``) that
+the runtime maps as it maps a file of a build folder, so everything past "where are the bytes"
+is the same code; nothing lands on local disk, and the memory goes when the build is closed.
+
+The store's index and manifest are checked first (``fetch.read_manifest``), and with ``trust`` the
+signature over the manifest (``fetch.check_trust``), before any shard is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import GkError
+from . import codec
+from .fetch import check_trust, read_manifest
+from .stores import open_store
+
+
+def is_store(ref: str) -> bool:
+    """``hf://...``, ``s3://...`` or a folder holding a publish index (not a build folder)."""
+    from .index import NAME
+
+    return "://" in str(ref) or (Path(ref) / NAME).is_file()
+
+
+class StoreFiles:
+    """The opener ``runtime.Build`` reads a store's files through: ``path(rel, entry)`` is a path
+    to the verified bytes of the manifest's file ``rel``."""
+
+    def __init__(self, store, idx: dict):
+        self.store = store
+        self._entries = {f["path"]: f for f in idx["files"]}  # ``read_manifest``: the manifest's sizes and hashes
+        self._fds: list[int] = []
+
+    def path(self, rel: str, entry: dict, advance=lambda n: None) -> Path:
+        e = self._entries[rel]
+        where = f"{self.store.uri}/{e['blob']} ({rel})"
+        fd = os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
+        try:
+            with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
+                got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where, advance)
+        except BaseException:
+            os.close(fd)
+            raise
+        if got != entry["sha256"]:
+            os.close(fd)
+            raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {entry['sha256'][:16]}... "
+                          f"(the blob changed since it was published)")
+        self._fds.append(fd)
+        return Path(f"/proc/self/fd/{fd}")
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def open_build(uri: str, trust: list | None = None, api=None, fs=None):
+    """The build published at ``uri`` as a ``runtime.Build`` whose files are read from the store.
+    Refused before any shard is read: an index or manifest that does not check out, a signature
+    none of ``trust`` made, shards that could not all be held in this host's memory at once."""
+    from ..runtime import Build
+
+    store = open_store(uri, api=api, fs=fs)
+    idx, m, man_bytes = read_manifest(store)
+    _, signed = check_trust(store, idx, m, man_bytes, trust)
+    need = sum(f["size"] for f in m["files"])
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "
+                      f"this host has {have / 2**30:.1f} GiB")
+    build = Build.made(Path(store.uri), m, man_bytes, "hash", StoreFiles(store, idx))
+    build.signature = signed
+    return build
