@@ -15,6 +15,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import zstandard
 
 from gkbuild import recipe
 from gkbuild.checkpoint.source import materialize, parse
@@ -106,16 +107,16 @@ def _store(kind: str, topo: Path, tmp_path: Path, s3_server, sign: str | None = 
         publish(topo, uri, quiet=True, sign=sign)
         idx = json.loads(client.get_object(Bucket=bucket, Key="b/publish.json")["Body"].read())
 
-        def alter(blob: str) -> None:
+        def alter(blob: str, how=_flip) -> None:
             body = client.get_object(Bucket=bucket, Key=f"b/{blob}")["Body"].read()
-            client.put_object(Bucket=bucket, Key=f"b/{blob}", Body=_flip(body))
+            client.put_object(Bucket=bucket, Key=f"b/{blob}", Body=how(body))
         return uri, None, idx, alter
     if kind == "dir":
         store = tmp_path / "store"
         publish(topo, str(store), quiet=True, sign=sign)
 
-        def alter(blob: str) -> None:
-            (store / blob).write_bytes(_flip((store / blob).read_bytes()))
+        def alter(blob: str, how=_flip) -> None:
+            (store / blob).write_bytes(how((store / blob).read_bytes()))
         return str(store), None, json.loads((store / index.NAME).read_text()), alter
     hub_dir = tmp_path / "hub"
     hub = FakeHub(hub_dir)
@@ -124,16 +125,23 @@ def _store(kind: str, topo: Path, tmp_path: Path, s3_server, sign: str | None = 
     head = hub.head(REPO, "trn3")
     idx = json.loads(head.tree[index.NAME])
 
-    def alter(blob: str) -> None:  # the content the hub keeps for that file, changed at rest
+    def alter(blob: str, how=_flip) -> None:  # the content the hub keeps for that file, changed at rest
         p = hub_dir / "objects" / head.files[blob]
-        p.write_bytes(_flip(p.read_bytes()))
+        p.write_bytes(how(p.read_bytes()))
     return uri, hub_dir, idx, alter
 
 
 def _flip(data: bytes) -> bytes:
-    """One byte past the middle changed."""
+    """One byte past the middle changed (a blob that rotted: zstd's own checksum catches it)."""
     i = len(data) // 2
     return data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
+
+
+def _forged(stored: bytes) -> bytes:
+    """A zstd blob whose content has one byte changed, compressed again as a forger would (only the
+    sha256 against the manifest catches it)."""
+    return zstandard.ZstdCompressor(write_checksum=True).compress(_flip(zstandard.ZstdDecompressor().decompressobj()
+                                                                        .decompress(stored)))
 
 
 @pytest.mark.parametrize("kind", ["s3", "dir", "hf"])
@@ -154,12 +162,22 @@ def test_verify_in_place_is_the_fetched_builds_verify_on_bounded_disk(kind, topo
 @pytest.mark.parametrize("kind", ["s3", "dir", "hf"])
 def test_a_blob_altered_in_the_store_fails_in_one_line_naming_the_file(kind, topo, golden, s3_server, tmp_path):
     uri, hub, idx, alter = _store(kind, topo, tmp_path, s3_server)
+    """Re-compressed content, which only the hash against the manifest catches (and, in one store,
+    a rotted byte, which zstd's checksum does)."""
     f = next(e for e in idx["files"] if e["path"] == "weights/expert-077.safetensors")
-    alter(f["blob"])
+    assert f["encoding"] == "zstd"
+    alter(f["blob"], _forged)
     r = cli("verify", uri, "--golden", str(golden), "--scratch-limit", "24MiB", "-q", env=private(tmp_path), hub=hub)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert "weights/expert-077.safetensors" in lines[0] and f["blob"] in lines[0], lines
+    assert f"{f['blob']} (weights/expert-077.safetensors): refused: sha256" in lines[0], lines
+    if kind == "dir":
+        g = next(e for e in idx["files"] if e["path"] == "weights/attn-tp3.safetensors")
+        alter(g["blob"])
+        r = cli("verify", uri, "--golden", str(golden), "-q", env=private(tmp_path / "rot"))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert f"{g['blob']} (weights/attn-tp3.safetensors): corrupt zstd data" in lines[0], lines
 
 
 @pytest.fixture(scope="module")
