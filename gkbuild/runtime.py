@@ -49,7 +49,7 @@ def _confine(root: Path, m: dict) -> None:
 class Build:
     def __init__(self, root: Path, manifest: dict, verify: str = "hash", digest: str | None = None, opener=None):
         """``opener``: where the files' bytes come from when not from the folder ``root``: its
-        ``path(rel, entry, advance)`` is a path to the file's bytes, checked against the manifest
+        ``path(rel)`` is a path to the file's bytes, checked against the manifest
         (``publish.shards.StoreFiles``: a store's blobs, hashed as they are read)."""
         self.root = root
         self._opener = opener
@@ -132,7 +132,7 @@ class Build:
             raise GkError(f"{self.root}: {rel} is not in the manifest")
         if self._opener is not None:
             if rel not in self._checked:
-                self._checked[rel] = self._opener.path(rel, entry, advance)
+                self._checked[rel] = self._opener.path(rel)
             return self._checked[rel]
         p = inside(self.root, rel)
         if rel in self._checked or self.verify == "none":

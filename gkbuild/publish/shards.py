@@ -1,6 +1,7 @@
-"""A published build opened where it is stored: each file read from its blob when the runtime first
-asks for it, decoded (``codec``, as a fetch does) and hashed on the way, and refused by name if
-its bytes are not the manifest's. The bytes live in an anonymous in-memory file (``memfd``) that
+"""A published build opened where it is stored: each file read from its blob when the runtime
+first asks for it (its shards read ahead, side by side, from the first one on), decoded
+(``codec``, as a fetch does) and hashed on the way, and refused by name if its bytes are not the
+manifest's. The bytes live in an anonymous in-memory file (``memfd``) that
 the runtime maps as it maps a file of a build folder, so everything past "where are the bytes"
 is the same code; nothing lands on local disk, and the memory goes when the build is closed.
 
@@ -11,6 +12,8 @@ signature over the manifest (``fetch.check_trust``), before any shard is read.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import GkError
@@ -27,32 +30,49 @@ def is_store(ref: str) -> bool:
 
 
 class StoreFiles:
-    """The opener ``runtime.Build`` reads a store's files through: ``path(rel, entry)`` is a path
-    to the verified bytes of the manifest's file ``rel``."""
+    """The opener ``runtime.Build`` reads a store's files through: ``path(rel)`` is a path
+    to the verified bytes of the manifest's file ``rel``. The first shard asked for (``weights/``:
+    the runtime maps every rank's at once) starts reading all of them, ``store.concurrency`` at a
+    time in the order the ranks load them; each is handed over once it has checked out."""
 
-    def __init__(self, store, idx: dict):
+    def __init__(self, store, idx: dict, m: dict):
         self.store = store
         self._entries = {f["path"]: f for f in idx["files"]}  # ``read_manifest``: the manifest's sizes and hashes
+        order = [x["file"] for r in m["ranks"] for x in r["loads"]] + [x["file"] for x in m["host_files"]]
+        self._shards = list(dict.fromkeys(f for f in order + sorted(self._entries) if f.startswith("weights/")))
+        self._ahead: dict[str, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._fds: list[int] = []
+        self._lock = threading.Lock()
 
-    def path(self, rel: str, entry: dict, advance=lambda n: None) -> Path:
+    def path(self, rel: str) -> Path:
+        if rel.startswith("weights/") and self._ahead is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.store.concurrency)
+            self._ahead = {f: self._pool.submit(self._read, f) for f in self._shards}
+        fut = (self._ahead or {}).get(rel)
+        return fut.result() if fut is not None else self._read(rel)
+
+    def _read(self, rel: str) -> Path:
         e = self._entries[rel]
         where = f"{self.store.uri}/{e['blob']} ({rel})"
         fd = os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
         try:
             with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
-                got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where, advance)
+                got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where)
+            if got != e["sha256"]:
+                raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {e['sha256'][:16]}... "
+                              f"(the blob changed since it was published)")
         except BaseException:
             os.close(fd)
             raise
-        if got != entry["sha256"]:
-            os.close(fd)
-            raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {entry['sha256'][:16]}... "
-                          f"(the blob changed since it was published)")
-        self._fds.append(fd)
+        with self._lock:
+            self._fds.append(fd)
         return Path(f"/proc/self/fd/{fd}")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -72,6 +92,6 @@ def open_build(uri: str, trust: list | None = None, api=None, fs=None):
     if need > have:
         raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "
                       f"this host has {have / 2**30:.1f} GiB")
-    build = Build.made(Path(store.uri), m, man_bytes, "hash", StoreFiles(store, idx))
+    build = Build.made(Path(store.uri), m, man_bytes, "hash", StoreFiles(store, idx, m))
     build.signature = signed
     return build
