@@ -210,3 +210,27 @@ def test_with_trust_the_signature_is_checked_before_any_shard_is_read(topo, gold
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(lines) == 1, bad.stderr
     assert "not trusted" in lines[0] and "weights/" not in lines[0], lines
+
+
+def test_a_shard_whose_header_is_not_the_manifests_is_named_by_blob_and_file(topo, tmp_path):
+    """A forged manifest (its build id recomputed, so it parses) that gives a shard's tensor another
+    shape: the file's bytes are the hash it names, its header is not what it says; the message
+    names the store's blob and the build's file, as a build folder's names its path."""
+    from gkbuild.errors import GkError
+    from gkbuild.publish.shards import open_build
+    from tests.publish.conftest import read_store, rewrite
+
+    store = tmp_path / "store"
+    publish(topo, str(store), quiet=True)
+    idx, m = read_store(store)
+    f = next(f for f in m["files"] if f["path"] == "weights/attn-tp5.safetensors")
+    f["tensors"][0]["shape"][0] += 1
+    rewrite(store, idx, m)
+    build = open_build(str(store))
+    try:
+        with pytest.raises(GkError) as e:
+            build.load_rank(5)
+    finally:
+        build.close()
+    blob = next(x["blob"] for x in idx["files"] if x["path"] == f["path"])
+    assert str(e.value) == f"{store}/{blob} (weights/attn-tp5.safetensors): tensor W_qkv does not match the manifest"

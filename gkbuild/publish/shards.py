@@ -29,9 +29,30 @@ def is_store(ref: str) -> bool:
     return "://" in str(ref) or (Path(ref) / NAME).is_file()
 
 
+class Held(os.PathLike):
+    """A store file's verified bytes in a memfd, opened through ``/proc/self/fd``; named in
+    messages as the store's blob and the build's file."""
+
+    def __init__(self, fd: int, where: str):
+        self.fd, self.where = fd, where
+
+    def __fspath__(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def __str__(self) -> str:
+        return self.where
+
+
+class Where(str):
+    """A store's address standing where a build folder's path would, in messages (``/`` joins)."""
+
+    def __truediv__(self, rel) -> "Where":
+        return Where(f"{self}/{rel}")
+
+
 class StoreFiles:
     """The opener ``runtime.Build`` reads a store's files through: ``path(rel)`` is a path
-    to the verified bytes of the manifest's file ``rel``. The first shard asked for (``weights/``:
+    to the verified bytes of the manifest's file ``rel`` (``Held``). The first shard asked for (``weights/``:
     the runtime maps every rank's at once) starts reading all of them, ``store.concurrency`` at a
     time in the order the ranks load them; each is handed over once it has checked out."""
 
@@ -45,14 +66,14 @@ class StoreFiles:
         self._fds: list[int] = []
         self._lock = threading.Lock()
 
-    def path(self, rel: str) -> Path:
+    def path(self, rel: str) -> Held:
         if rel.startswith("weights/") and self._ahead is None:
             self._pool = ThreadPoolExecutor(max_workers=self.store.concurrency)
             self._ahead = {f: self._pool.submit(self._read, f) for f in self._shards}
         fut = (self._ahead or {}).get(rel)
         return fut.result() if fut is not None else self._read(rel)
 
-    def _read(self, rel: str) -> Path:
+    def _read(self, rel: str) -> Held:
         e = self._entries[rel]
         where = f"{self.store.uri}/{e['blob']} ({rel})"
         fd = os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
@@ -67,7 +88,7 @@ class StoreFiles:
             raise
         with self._lock:
             self._fds.append(fd)
-        return Path(f"/proc/self/fd/{fd}")
+        return Held(fd, where)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -92,6 +113,6 @@ def open_build(uri: str, trust: list | None = None, api=None, fs=None):
     if need > have:
         raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "
                       f"this host has {have / 2**30:.1f} GiB")
-    build = Build.made(Path(store.uri), m, man_bytes, "hash", StoreFiles(store, idx, m))
+    build = Build.made(Where(store.uri), m, man_bytes, "hash", StoreFiles(store, idx, m))
     build.signature = signed
     return build
