@@ -508,6 +508,10 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
         if texts:
             raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
                           "give --golden or no prompts")
+        if is_store(build_dir):
+            from .publish.shards import twins_only
+
+            twins_only(build_dir, "twin", True)
         check_prefill(engine)  # before a prefill process is started
         with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout, steps) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]

@@ -327,13 +327,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
 
     if device == "cuda" and not torch.cuda.is_available():
         raise GkError("--device cuda: no CUDA device is available on this host")
-    from .publish.shards import is_store, open_build
+    from .publish.shards import is_store, open_build, twins_only
 
     if is_store(build_dir):
-        if engine != "twin" or prefill is not None:
-            what = "--prefill nixl" if prefill is not None else f"--engine {engine}"
-            raise GkError(f"{build_dir}: a build verified where it is stored runs through the twins; fetch it "
-                          f"(gkbuild fetch) for {what}")
+        twins_only(build_dir, engine, prefill is not None)
         build = open_build(str(build_dir), trust)
     else:
         build = Build.open(build_dir, trust=trust)

@@ -234,3 +234,18 @@ def test_a_shard_whose_header_is_not_the_manifests_is_named_by_blob_and_file(top
         build.close()
     blob = next(x["blob"] for x in idx["files"] if x["path"] == f["path"])
     assert str(e.value) == f"{store}/{blob} (weights/attn-tp5.safetensors): tensor W_qkv does not match the manifest"
+
+
+def test_a_store_is_verified_through_the_twins_only(topo, tmp_path):
+    """The compiled programs, the NEFFs and a DI prefill run from a build folder: refused in one
+    line saying to fetch, before the store is read."""
+    from gkbuild import verify
+    from gkbuild.errors import GkError
+
+    store = tmp_path / "store"
+    publish(topo, str(store), quiet=True)
+    (store / index.NAME).write_bytes(b"not read")  # had the store been read, this would be the error
+    for engine in ("compiled", "neuron"):
+        with pytest.raises(GkError, match=rf"^{store}: a build verified where it is stored runs through the twins; "
+                                          rf"fetch it \(gkbuild fetch\) for --engine {engine}$"):
+            verify.run(str(store), engine=engine)

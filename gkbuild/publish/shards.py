@@ -29,6 +29,14 @@ def is_store(ref: str) -> bool:
     return "://" in str(ref) or (Path(ref) / NAME).is_file()
 
 
+def twins_only(ref: str, engine: str, prefill: bool) -> None:
+    """A store is verified through the twins (the compiled programs and the NEFFs run from a folder)."""
+    if engine != "twin" or prefill:
+        what = "--prefill nixl" if prefill else f"--engine {engine}"
+        raise GkError(f"{ref}: a build verified where it is stored runs through the twins; fetch it "
+                      f"(gkbuild fetch) for {what}")
+
+
 class Held(os.PathLike):
     """A store file's verified bytes in a memfd, opened through ``/proc/self/fd``; named in
     messages as the store's blob and the build's file."""
