@@ -413,8 +413,18 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
     note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
 
 
+def _trust_options(f):
+    f = click.option("--trust-issuer", default=None, metavar="URL",
+                     help="The OIDC issuer of keyless --trust identities (default: GitHub Actions', "
+                          "https://token.actions.githubusercontent.com).")(f)
+    return click.option("--trust", "trust", multiple=True, metavar="KEY.pub|IDENTITY",
+                        help="Refuse the build unless one of these signed it (repeatable: key rotation): a public "
+                             "key's PEM file, or a keyless identity such as https://github.com/ORG/REPO/.github/"
+                             "workflows/build-artifacts.yml@refs/tags/build-1 (needs gkbuild[sign]).")(f)
+
+
 @cli.command()
-@click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
+@click.argument("build_dir", metavar="BUILD|STORE")
 @click.option("--golden", "golden_file", type=click.Path(path_type=Path), default=None,
               help="Reference logits from `gkbuild golden` (default: computed now from the build's source).")
 @_PROMPT
@@ -441,10 +451,14 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
                    "handshake, its prefill of a prompt set, the NIXL READs, the release of its blocks.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also write DIR/report.json (what --json prints) and DIR/report.html (plots embedded).")
+@click.option("--scratch-limit", default=None, metavar="SIZE",
+              help="STORE only: the most local disk ($GKBUILD_CACHE and $TMPDIR) the verify may take, sampled as it "
+                   "runs (its files are read from their blobs into memory, never onto disk); over it, it fails.")
+@_trust_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, prefill,
-           prefill_tp, transfer_timeout, report_dir, as_json, quiet):
+           prefill_tp, transfer_timeout, report_dir, scratch_limit, trust, trust_issuer, as_json, quiet):
     """Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
     compare with the reference model: NxD-style tolerances on the reference's top-5/50/1000/all
     logits, teacher forcing, near-tie allowances; tight when the golden emulates the build's KV
@@ -459,7 +473,16 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     \b
       gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
       gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
+
+    STORE (a folder store, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) is verified where it is
+    published: each file is read from its blob as the twins first need it and hashed against the
+    manifest on the way; the same checks and the same report as of the fetched build. With --trust
+    the signature over the manifest is checked before any file is read.
+
+    \b
+      gkbuild verify s3://bucket/builds/120b --golden g.safetensors --scratch-limit 2GiB --trust ci.pub
     """
+    from .publish.shards import is_store
     from .verify import check_prefill, run
 
     if golden_file is not None and texts:
@@ -467,9 +490,17 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     if chat and not texts:
         raise GkError("--chat renders --prompt texts with the chat template; give at least one --prompt")
     quiet = quiet or as_json
+    if scratch_limit is not None and not is_store(build_dir):
+        raise GkError(f"--scratch-limit bounds a verify of a store; {build_dir} is a build folder on local disk")
+    if trust:
+        from .publish import signing
+
+        trust = signing.trust_list(trust, trust_issuer)
     kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
-              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device)
-    if prefill is None:
+              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device, trust=trust or None)
+    if scratch_limit is not None:
+        reports = [_verify_within(_parse_size(scratch_limit, "--scratch-limit"), lambda: run(build_dir, **kw))]
+    elif prefill is None:
         reports = [run(build_dir, **kw)]
     else:
         from .di.decode import serving
@@ -477,6 +508,10 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
         if texts:
             raise GkError("--prefill nixl makes its own prompt sets (one per length the N-1 rule must cover); "
                           "give --golden or no prompts")
+        if is_store(build_dir):
+            from .publish.shards import twins_only
+
+            twins_only(build_dir, "twin", True)
         check_prefill(engine)  # before a prefill process is started
         with serving(build_dir, prefill_tp, golden_file, n_prompts, transfer_timeout, steps) as (spec, lengths):
             reports = [run(build_dir, **kw, prompt_len=n, prefill=spec) for n in lengths]
@@ -496,6 +531,25 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     for rep in reports:
         if not rep.ok:
             raise GkError(rep.failure())
+
+
+def _verify_within(limit: int, verify):
+    """``verify()``, the local disk it adds under $GKBUILD_CACHE and $TMPDIR sampled as it runs;
+    one line if that passed ``limit``."""
+    import tempfile
+
+    from .checkpoint.source import cache_root
+    from .pipeline.stream import DiskWatch
+    from .summary import human_bytes
+
+    roots = [p for p in (cache_root(), Path(tempfile.gettempdir())) if p.is_dir()]
+    with DiskWatch(*roots) as disk:
+        before = disk.peak
+        rep = verify()
+    if disk.peak - before > limit:
+        raise GkError(f"--scratch-limit {human_bytes(limit)}: the verify took {human_bytes(disk.peak - before)} "
+                      f"of local disk")
+    return rep
 
 
 def _print_verify(rep) -> None:
@@ -588,16 +642,6 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     replaced = (f"; it replaces build {shown(old['name'])} {str(old['build_id'])[:16]} (a store holds the build "
                 f"published last; the old one's blobs stay until --prune)") if old else ""
     note(f"{what}; build {rep['build_id'][:16]}{replaced}", quiet)
-
-
-def _trust_options(f):
-    f = click.option("--trust-issuer", default=None, metavar="URL",
-                     help="The OIDC issuer of keyless --trust identities (default: GitHub Actions', "
-                          "https://token.actions.githubusercontent.com).")(f)
-    return click.option("--trust", "trust", multiple=True, metavar="KEY.pub|IDENTITY",
-                        help="Refuse the build unless one of these signed it (repeatable: key rotation): a public "
-                             "key's PEM file, or a keyless identity such as https://github.com/ORG/REPO/.github/"
-                             "workflows/build-artifacts.yml@refs/tags/build-1 (needs gkbuild[sign]).")(f)
 
 
 def _print_store_table(entries: list[dict], title: str) -> None:

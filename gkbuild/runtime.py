@@ -37,15 +37,28 @@ from .paths import confined, inside
 VERIFY = ("hash", "size", "none")
 
 
+def _confine(root: Path, m: dict) -> None:
+    """Refuse a manifest that names a path leaving the build."""
+    where = f"{root / mf.NAME}"
+    for rel in [f["path"] for f in m["files"]] + [x["file"] for r in m["ranks"] for x in r["loads"]] + \
+            [m["layout"][k]["file"] for k in ("kv", "tail")] + \
+            [a["path"] for a in m["compile"]["artifacts"] if a.get("path") is not None]:
+        confined(rel, where)
+
+
 class Build:
-    def __init__(self, root: Path, manifest: dict, verify: str = "hash", digest: str | None = None):
+    def __init__(self, root: Path, manifest: dict, verify: str = "hash", digest: str | None = None, opener=None):
+        """``opener``: where the files' bytes come from when not from the folder ``root``: its
+        ``path(rel)`` is a path to the file's bytes, checked against the manifest
+        (``publish.shards.StoreFiles``: a store's blobs, hashed as they are read)."""
         self.root = root
+        self._opener = opener
         self.manifest = manifest
         self.verify = verify
         self.digest = digest or hashlib.sha256(mf.canonical(manifest)).hexdigest()  # what a remembered hash vouches for
         self._files = {f["path"]: f for f in manifest["files"]}
         self._maps: dict[str, MappedFile] = {}
-        self._checked: set[str] = set()
+        self._checked: dict[str, Path] = {}  # files checked: where their bytes are
         self.signature = None  # who signed the manifest (``signing.Verified``), when opened with ``trust``
         self._layouts: dict[str, dict] = {}
 
@@ -75,19 +88,22 @@ class Build:
             if len(want) < 12 or not m["build_id"].startswith(want):
                 raise GkError(f"{root}: holds build {m['build_id'][:16]}, not the expected {want[:64]} "
                               f"(give at least 12 hex digits)")
-        where = f"{root / mf.NAME}"
-        for rel in [f["path"] for f in m["files"]] + [x["file"] for r in m["ranks"] for x in r["loads"]] + \
-                [m["layout"][k]["file"] for k in ("kv", "tail")] + \
-                [a["path"] for a in m["compile"]["artifacts"] if a.get("path") is not None]:
-            confined(rel, where)
         if target is not None and m["target"] != target:
             raise GkError(f"{root}: built for target {m['target']!r}, not {target!r}")
         world = m["topology"]["world_size"]
         if world_size is not None and world_size != world:
             raise GkError(f"{root}: built for {world} ranks (TP{m['topology']['tp']} x DP{m['topology']['dp']}), "
                           f"this runtime has {world_size}")
-        build = cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest())
+        build = cls.made(root, m, man_bytes, verify)
         build.signature = signed
+        return build
+
+    @classmethod
+    def made(cls, root: Path, m: dict, man_bytes: bytes, verify: str, opener=None) -> "Build":
+        """A build of the parsed manifest ``m``: every path it names confined, its KV and tail
+        layouts read and held to it."""
+        _confine(root, m)
+        build = cls(root, m, verify, hashlib.sha256(man_bytes).hexdigest(), opener)
         build._kv = validate.kv(build.layout_doc("kv"), m, root)
         validate.tail(build.layout_doc("tail"), m, root)
         return build
@@ -113,6 +129,10 @@ class Build:
         entry = self._files.get(rel)
         if entry is None:
             raise GkError(f"{self.root}: {rel} is not in the manifest")
+        if self._opener is not None:
+            if rel not in self._checked:
+                self._checked[rel] = self._opener.path(rel)
+            return self._checked[rel]
         p = inside(self.root, rel)
         if rel in self._checked or self.verify == "none":
             return p
@@ -134,7 +154,7 @@ class Build:
             if digest != entry["sha256"]:
                 raise GkError(f"{p}: refused: sha256 {digest[:16]}... is not the manifest's {entry['sha256'][:16]}... "
                               f"(the file changed since it was built; run gkbuild check)")
-        self._checked.add(rel)
+        self._checked[rel] = p
         return p
 
     def _mapped(self, rel: str) -> MappedFile:
@@ -253,4 +273,7 @@ class Build:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+        if self._opener is not None:
+            self._opener.close()
+            self._checked.clear()
 

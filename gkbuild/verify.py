@@ -310,7 +310,8 @@ def _check_ids(g, model: dict) -> None:
 
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         texts: list[str] | None = None, chat: bool = False, engine: str = "twin", loose: bool = False,
-        other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu", prefill=None) -> Report:
+        other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu", prefill=None,
+        trust: list | None = None) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
     when none is given: from ``texts`` through the checkpoint's tokenizer, else random token ids),
     running it through the torch twins (``kernels.replay``, every rank emulated), (``engine=
@@ -318,13 +319,21 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     on the NeuronCores. ``other_checkpoint`` accepts a golden made from another checkpoint than the
     build's source (to hold a build of an edited checkpoint to the original model). ``prefill``
     (``di.decode.Prefill``): the prompts' first N-1 positions come from a prefill engine over NIXL
-    (``di.decode.pull``); the build then decodes step by step, and is judged, from position N-1 on."""
+    (``di.decode.pull``); the build then decodes step by step, and is judged, from position N-1 on.
+    ``build_dir`` may be a store (``publish.shards``): each file is read from its blob and hashed
+    as the twins first need it; ``trust`` (``signing.trust_list``): who must have signed the build."""
     from .golden import Golden, checkpoint_hash
     from .runtime import Build
 
     if device == "cuda" and not torch.cuda.is_available():
         raise GkError("--device cuda: no CUDA device is available on this host")
-    build = Build.open(build_dir)
+    from .publish.shards import is_store, open_build, twins_only
+
+    if is_store(build_dir):
+        twins_only(build_dir, engine, prefill is not None)
+        build = open_build(str(build_dir), trust)
+    else:
+        build = Build.open(build_dir, trust=trust)
     m = build.manifest
     batch = max(m["recipe"]["resolved"]["decode"]["batch_sizes"])
     if prefill is not None:

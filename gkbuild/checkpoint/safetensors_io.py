@@ -59,8 +59,9 @@ def _whole(v) -> int:
 
 
 def read_header(path: Path) -> Header:
-    """Parse and fully validate a safetensors header against the file's real size."""
-    path = Path(path)
+    """Parse and fully validate a safetensors header against the file's real size. ``path``: a
+    path, or an ``os.PathLike`` kept as it is (one whose ``str`` names the file in messages)."""
+    path = path if isinstance(path, os.PathLike) else Path(path)
     try:
         with jsonio.open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size

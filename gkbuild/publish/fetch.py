@@ -84,6 +84,15 @@ def read_signed(store, idx: dict) -> tuple[bytes, bytes] | None:
     return out[0], out[1]
 
 
+def check_trust(store, idx: dict, m: dict, man_bytes: bytes, trust: list | None):
+    """(signature and provenance, or None; who signed, or None without ``trust``): with ``trust``,
+    the build is refused unless one of it signed exactly this manifest (before any file is read)."""
+    signed = read_signed(store, idx)
+    if trust is None:
+        return signed, None
+    return signed, signing.verify(man_bytes, signed, trust, f"{store.uri} (build {m['name']} {m['build_id'][:16]})")
+
+
 def _record_problem(d) -> str | None:
     if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
         return "not a fetch record"
@@ -158,9 +167,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
     dest = Path(dest)
     store = open_store(src, api=api, fs=fs)
     idx, m, man_bytes = read_manifest(store)
-    signed = read_signed(store, idx)
-    if trust is not None:
-        v = signing.verify(man_bytes, signed, trust, f"{store.uri} (build {m['name']} {m['build_id'][:16]})")
+    signed, v = check_trust(store, idx, m, man_bytes, trust)
     if expect and not (len(expect) >= 12 and m["build_id"].startswith(expect.lower())):
         raise GkError(f"{store.uri}: holds build {m['build_id'][:16]}, not the expected {expect} "
                       f"(give at least 12 hex digits)")
@@ -168,7 +175,7 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         raise GkError(f"{dest}: exists and is not a folder; fetch into a new or empty folder")
     report = {"store": store.uri, "build_id": m["build_id"], "name": m["name"], "dest": str(dest),
               "files": len(m["files"]), "fetched_files": 0, "fetched_bytes": 0, "stored_bytes": 0,
-              "signed_by": str(v.by) if trust is not None else None}
+              "signed_by": str(v.by) if v is not None else None}
     if (dest / mf.NAME).exists() and mf.read_bytes(dest) == man_bytes:
         report["already"] = True
         return report

@@ -1,0 +1,126 @@
+"""A published build opened where it is stored: each file read from its blob when the runtime
+first asks for it (its shards read ahead, side by side, from the first one on), decoded
+(``codec``, as a fetch does) and hashed on the way, and refused by name if its bytes are not the
+manifest's. The bytes live in an anonymous in-memory file (``memfd``) that
+the runtime maps as it maps a file of a build folder, so everything past "where are the bytes"
+is the same code; nothing lands on local disk, and the memory goes when the build is closed.
+
+The store's index and manifest are checked first (``fetch.read_manifest``), and with ``trust`` the
+signature over the manifest (``fetch.check_trust``), before any shard is read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import GkError
+from . import codec
+from .fetch import check_trust, read_manifest
+from .stores import open_store
+
+
+def is_store(ref: str) -> bool:
+    """``hf://...``, ``s3://...`` or a folder holding a publish index (not a build folder)."""
+    from .index import NAME
+
+    return "://" in str(ref) or (Path(ref) / NAME).is_file()
+
+
+def twins_only(ref: str, engine: str, prefill: bool) -> None:
+    """A store is verified through the twins (the compiled programs and the NEFFs run from a folder)."""
+    if engine != "twin" or prefill:
+        what = "--prefill nixl" if prefill else f"--engine {engine}"
+        raise GkError(f"{ref}: a build verified where it is stored runs through the twins; fetch it "
+                      f"(gkbuild fetch) for {what}")
+
+
+class Held(os.PathLike):
+    """A store file's verified bytes in a memfd, opened through ``/proc/self/fd``; named in
+    messages as the store's blob and the build's file."""
+
+    def __init__(self, fd: int, where: str):
+        self.fd, self.where = fd, where
+
+    def __fspath__(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def __str__(self) -> str:
+        return self.where
+
+
+class Where(str):
+    """A store's address standing where a build folder's path would, in messages (``/`` joins)."""
+
+    def __truediv__(self, rel) -> "Where":
+        return Where(f"{self}/{rel}")
+
+
+class StoreFiles:
+    """The opener ``runtime.Build`` reads a store's files through: ``path(rel)`` is a path
+    to the verified bytes of the manifest's file ``rel`` (``Held``). The first shard asked for (``weights/``:
+    the runtime maps every rank's at once) starts reading all of them, ``store.concurrency`` at a
+    time in the order the ranks load them; each is handed over once it has checked out."""
+
+    def __init__(self, store, idx: dict, m: dict):
+        self.store = store
+        self._entries = {f["path"]: f for f in idx["files"]}  # ``read_manifest``: the manifest's sizes and hashes
+        order = [x["file"] for r in m["ranks"] for x in r["loads"]] + [x["file"] for x in m["host_files"]]
+        self._shards = list(dict.fromkeys(f for f in order + sorted(self._entries) if f.startswith("weights/")))
+        self._ahead: dict[str, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._fds: list[int] = []
+        self._lock = threading.Lock()
+
+    def path(self, rel: str) -> Held:
+        if rel.startswith("weights/") and self._ahead is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.store.concurrency)
+            self._ahead = {f: self._pool.submit(self._read, f) for f in self._shards}
+        fut = (self._ahead or {}).get(rel)
+        return fut.result() if fut is not None else self._read(rel)
+
+    def _read(self, rel: str) -> Held:
+        e = self._entries[rel]
+        where = f"{self.store.uri}/{e['blob']} ({rel})"
+        fd = os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
+        try:
+            with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
+                got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where)
+            if got != e["sha256"]:
+                raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {e['sha256'][:16]}... "
+                              f"(the blob changed since it was published)")
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._fds.append(fd)
+        return Held(fd, where)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def open_build(uri: str, trust: list | None = None, api=None, fs=None):
+    """The build published at ``uri`` as a ``runtime.Build`` whose files are read from the store.
+    Refused before any shard is read: an index or manifest that does not check out, a signature
+    none of ``trust`` made, shards that could not all be held in this host's memory at once."""
+    from ..runtime import Build
+
+    store = open_store(uri, api=api, fs=fs)
+    idx, m, man_bytes = read_manifest(store)
+    _, signed = check_trust(store, idx, m, man_bytes, trust)
+    need = sum(f["size"] for f in m["files"])
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "
+                      f"this host has {have / 2**30:.1f} GiB")
+    build = Build.made(Where(store.uri), m, man_bytes, "hash", StoreFiles(store, idx, m))
+    build.signature = signed
+    return build
