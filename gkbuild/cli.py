@@ -17,6 +17,7 @@ from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
 from .publish.leases import SKEW, TTL
+from .units import parse_size
 
 out = Console()
 if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
@@ -27,17 +28,6 @@ def _cell(text) -> str:
     """A table cell of text a file, a store or a peer supplied: shown as it is (no rich markup, no
     control characters obeyed)."""
     return escape(printable(str(text)))
-
-
-def _parse_size(text: str, option: str = "--max-shard-size") -> int:
-    units = {"": 1, "b": 1, **{f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("kmg")
-                                for suffix in ("", "b", "ib")}}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise GkError(f"{option}: {text!r} is not a size like 4GB or 512MB") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -78,7 +68,7 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
     if layers is not None:
         cfg = cfg.with_layers(layers)
     with bar(f"synth {preset}", total_bytes(cfg), quiet) as advance:
-        synthesize(cfg, out_dir, seed=seed, max_shard_bytes=_parse_size(max_shard_size), force=force,
+        synthesize(cfg, out_dir, seed=seed, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), force=force,
                    advance=advance)
     note(f"wrote {out_dir} ({preset}, {cfg.L} layers, seed {seed})", quiet)
 
@@ -273,7 +263,7 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         if out_dir is not None:
             raise GkError("--out and --to: a streamed build writes into the store, not a folder; give one of them")
         parse_executor(executor)
-        res = stream_build(r, to, _parse_size(scratch_limit, "--scratch-limit"),
+        res = stream_build(r, to, parse_size(scratch_limit, "--scratch-limit"),
                            executor, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                            require_neff=require_neff, cache=cache or None, cache_push=cache_push, sign=sign)
     if as_json:
