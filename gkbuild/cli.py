@@ -994,7 +994,7 @@ def doctor(target, kernels_recipe, report_dir, as_json):
     device when one is present, else trace-only. Needs the Neuron SDK."""
     from .compile import doctor as dr
 
-    rep = dr.run(target, kernels_recipe, quiet=as_json)
+    rep = dr.run(target, kernels_recipe, quiet=as_json, report=report_dir)
     if report_dir is not None:
         dr.write(rep, report_dir)
     if as_json:
