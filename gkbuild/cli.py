@@ -242,7 +242,9 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         raise GkError("--cache-push: give the store with --cache STORE (or GKBUILD_COMPILE_CACHE)")
     r = load(recipe_path, overrides)
     if host_profile is not None:
-        r.compile.host_profile = str(host_profile.resolve())
+        from .paths import resolved
+
+        r.compile.host_profile = str(resolved(host_profile, "--host-profile"))
     if r.compile.host_profile:  # checked before anything is written
         from .compile import hostprofile
 

@@ -1,6 +1,7 @@
 """A full disk, a read-only file system, a folder where a file should be: one line, exit 1, and
 nothing half-written."""
 
+import re
 import errno
 import os
 
@@ -142,3 +143,50 @@ def test_a_full_disk_in_publish_and_fetch_names_the_file(built, tmp_path, monkey
     assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
     named = f"{store}/blobs/" if command == "publish" else f"{dest}/"
     assert err.startswith(f"gkbuild: error: {named}") and err.strip().endswith(": No space left on device")
+
+
+LOOP = "LOOP"  # a symlink to itself, given where each command takes a path
+PATH_OPTIONS = [
+    ["compile", "R", "--host-profile", LOOP, "-q"], ["compile", "R", "--out", LOOP, "-q", "--no-compile"],
+    ["compile", "R", "--to", LOOP, "-q", "--no-compile"], ["compile", LOOP, "-q"], ["compile", "SRC", "-q", "--no-compile"],
+    ["compile", "R", "--out", f"{LOOP}/b", "-q", "--no-compile"], ["plan", LOOP], ["plan", "SRC"],
+    ["inspect", LOOP], ["check", LOOP, "-q"], ["synth", "tiny", "--out", LOOP, "-q"],
+    ["publish", LOOP, "--to", "S", "-q"], ["publish", "B", "--to", LOOP, "-q"], ["publish", "B", "--to", "S", "--sign", LOOP, "-q"],
+    ["fetch", LOOP, "--to", "D", "-q"], ["fetch", "S", "--to", LOOP, "-q"], ["fetch", "S", "--to", f"{LOOP}/d", "-q"],
+    ["verify", LOOP, "-q"], ["verify", "B", "--golden", LOOP, "-q"], ["verify", "B", "--report", LOOP, "-q", "--steps", "1"],
+    ["verify-signature", LOOP, "--trust", LOOP], ["diff", LOOP, "B"], ["leases", LOOP], ["leases", LOOP, "--clear", "x"],
+    ["cache", "ls", LOOP], ["cache", "push", LOOP, "B"], ["cache", "push", "S", LOOP], ["cache", "prune", "S", "--keep", LOOP],
+    ["di", "plan", LOOP], ["doctor", "--report", LOOP], ["farm", LOOP, "--cache", "S", "--list"],
+    ["golden", LOOP, "--out", "g", "-q"], ["golden", "synth://tiny", "--out", LOOP, "-q", "--steps", "0"],
+]
+
+
+@pytest.mark.parametrize("args", PATH_OPTIONS, ids=[" ".join(a) for a in PATH_OPTIONS])
+def test_a_symlink_loop_as_any_path_is_one_line(args, built, tmp_path, monkeypatch, capsys):
+    """Every path a command takes, given as a symlink loop (or through one): one line, rc 1, nothing
+    written, never a traceback (Path.resolve raises RuntimeError on a loop; stat, OSError)."""
+    from gkbuild.publish.publish import publish
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    store = tmp_path / "store"
+    publish(built, str(store), quiet=True)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES / "tiny-cpu.yaml").read_text() + f"\noutput: {tmp_path / 'out'}\n")
+    src = tmp_path / "src.yaml"
+    src.write_text(re.sub(r"(?m)^source: .*$", f"source: {loop}", (RECIPES / "tiny-cpu.yaml").read_text())
+                   + f"\noutput: {tmp_path / 'out'}\n")
+    assert f"source: {loop}" in src.read_text()
+    names = {LOOP: str(loop), "R": str(recipe), "SRC": str(src), "S": str(store), "B": str(built), "D": str(tmp_path / "d")}
+    argv = [a.replace(LOOP, str(loop)) if a.startswith(LOOP) else names.get(a, a) for a in args]
+    monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("gkbuild: error:")]
+    assert e.value.code == 1 and len(lines) == 1, err
+    assert "loop" in lines[0] or "Too many levels of symbolic links" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == [n for n in before if n != "cache"]

@@ -36,7 +36,7 @@ from .. import __version__
 from ..checkpoint.reader import INDEX
 from ..checkpoint.source import cache_root, materialize, parse
 from ..errors import GkError
-from ..paths import STATE_DIR, claim, inside
+from ..paths import STATE_DIR, claim, inside, resolved
 from ..plan import ShardFile
 from ..progress import Progress
 from ..publish.leases import Lease
@@ -467,7 +467,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     t0 = time.perf_counter()
     store = open_store(to, api=api, fs=fs)
     if isinstance(store, DirStore):  # workers elsewhere (Ray) open it by an absolute path
-        store = open_store(str(Path(to).resolve()))
+        store = open_store(str(resolved(to, "--to")))
     hub = isinstance(store, HubStore)
     if hub:
         store.check_stream()  # a token, the repo and the branch, before any work
