@@ -146,7 +146,7 @@ def median(xs: list[float]) -> float:
 
 
 def build_120b(d, layers: int, gk: str, root) -> tuple:
-    """The gpt-oss-120b trn2 recipe on synth://gpt-oss-120b?layers=N, built with --no-compile into
+    """The gpt-oss-120b trn3 recipe on synth://gpt-oss-120b?layers=N, built with --no-compile into
     ``d/build`` in ``d``, a fresh ``scratch`` folder (GKBUILD_CACHE set to ``d/cache``), the synthesized
     checkpoint removed after; returns (build folder, bytes of the build)."""
     d = Path(d)
@@ -155,7 +155,7 @@ def build_120b(d, layers: int, gk: str, root) -> tuple:
 
     run([gk, "synth", "gpt-oss-120b", "--layers", str(layers), "-q", "--out",
          str(synth_cache_dir(parse(f"synth://gpt-oss-120b?layers={layers}")))])
-    run([gk, "compile", str(Path(root) / "recipes" / "gpt-oss-120b-trn2.yaml"), "--out", str(build), "-q",
+    run([gk, "compile", str(Path(root) / "recipes" / "gpt-oss-120b-trn3.yaml"), "--out", str(build), "-q",
          "--no-compile", "--set", f"source=synth://gpt-oss-120b?layers={layers}"])
     shutil.rmtree(d / "cache" / "synth")  # only the build is needed from here on
     return build, sum(p.stat().st_size for p in build.rglob("*") if p.is_file() and ".gkbuild" not in p.parts)

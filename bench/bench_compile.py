@@ -1,6 +1,6 @@
 """gkbuild compile benchmarks (issue 4), each ratio measured in one run against its baseline.
 
-(a) the 120b trn2 recipe (num_blocks given) on synth://gpt-oss-120b?layers=N, N = 2 and 4,
+(a) the 120b trn3 recipe (num_blocks given) on synth://gpt-oss-120b?layers=N, N = 2 and 4,
     against `cp -r` of the same source folder to the same disk (+ sync: compile syncs its
     outputs); builds and copies alternate --repeat times, medians reported. "cold" builds start
     with no remembered source fingerprints (the source is hashed), "warm" ones remember them.
@@ -57,7 +57,7 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     if kind == "cold":
                         (d / "cache" / "fingerprints.json").unlink(missing_ok=True)
-                    w, r, t = run_tree(compile_cmd("gpt-oss-120b-trn2.yaml", out, f"source={src}"))
+                    w, r, t = run_tree(compile_cmd("gpt-oss-120b-trn3.yaml", out, f"source={src}"))
                     (cold if kind == "cold" else warm).append(w)
                     rss, tree = max(rss, r), max(tree, t)
                 shutil.rmtree(d / "copy", ignore_errors=True)
@@ -67,7 +67,7 @@ def main() -> None:
             c, wc, ww = median(cps), median(cold), median(warm)
             print(f"| {layers} | {gib(size)} | {c:.2f} s | {wc:.2f} s | {wc / c:.2f}x | {ww:.2f} s | {ww / c:.2f}x "
                   f"| {gib(rss)} | {gib(tree)} | {gib(outsize)} |", flush=True)
-        noop = [run(compile_cmd("gpt-oss-120b-trn2.yaml", d / "build", f"source=synth://gpt-oss-120b?layers={a.layers[-1]}"))[0]
+        noop = [run(compile_cmd("gpt-oss-120b-trn3.yaml", d / "build", f"source=synth://gpt-oss-120b?layers={a.layers[-1]}"))[0]
                 for _ in range(a.repeat)]
         print(f"\nno-op rebuild of the 120b-shaped build: {median(noop):.2f} s (median of {a.repeat})")
         topo = d / "topo"
@@ -76,7 +76,7 @@ def main() -> None:
         walls = []
         for _ in range(a.repeat):
             shutil.rmtree(topo, ignore_errors=True)
-            walls.append(run(compile_cmd("tiny-topology-trn2.yaml", topo))[0])
+            walls.append(run(compile_cmd("tiny-topology-trn3.yaml", topo))[0])
         m = json.loads((topo / "manifest.json").read_text())
         print(f"tiny-topology TP8 x DP16 x EP128 build end to end: {median(walls):.2f} s "
               f"({len(m['files'])} files, {m['topology']['world_size']} ranks)")

@@ -4,7 +4,7 @@ time at 128 ranks.
 
     .venv/bin/python bench/bench_di.py [--blocks 2048] [--repeat 3]
 
-One decode rank of gpt-oss-120b-trn2 (stacked, packed FP8, block 128 x d 64, 1 kv head) pulls
+One decode rank of gpt-oss-120b-trn3 (stacked, packed FP8, block 128 x d 64, 1 kv head) pulls
 every block of every layer's K and V from prefill rank 0 of a TP4 engine (2 kv heads a block,
 seed 000's per-buffer layout) in another process, over UCX/TCP on 127.0.0.1, as the plan's
 descriptors say (one 8 KiB head slice of a 16 KiB prefill block each). The memcpy copies the same
@@ -34,14 +34,14 @@ from gkbuild.di.plan import descriptors, transfer_plan  # noqa: E402
 
 
 def kv_doc(blocks: int | None = None) -> dict:
-    """kv.json of the 120b trn2 recipe (its own num_blocks, or ``blocks``)."""
+    """kv.json of the 120b trn3 recipe (its own num_blocks, or ``blocks``)."""
     from gkbuild import recipe
     from gkbuild.model import preset
     from gkbuild.pipeline.pipeline import layout_docs
     from gkbuild.plan import make_plan
 
     sets = [f"kv_cache.num_blocks={blocks}"] if blocks else []
-    p = make_plan(recipe.load(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml", sets), preset("gpt-oss-120b"))
+    p = make_plan(recipe.load(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml", sets), preset("gpt-oss-120b"))
     return json.loads(json.dumps(layout_docs(p)["layout/kv.json"]))
 
 

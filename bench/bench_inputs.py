@@ -59,7 +59,7 @@ def main() -> None:
         from gkbuild.runtime import Build
 
         out = work / "topo"
-        compile_build(recipe.load(ROOT / "recipes" / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
+        compile_build(recipe.load(ROOT / "recipes" / "tiny-topology-trn3.yaml"), out=out, quiet=True, compile=False)
         tok_json, _ = synth_tokenizer.build(preset("gpt-oss-120b"))
         print(f"uptime: {os.popen('uptime').read().strip()}")
         print("| what | baseline | measured | ratio |\n|---|---|---|---|")

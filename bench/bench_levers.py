@@ -1,5 +1,5 @@
 """The per-expert costs behind issue 18's choices, at 120b widths (one expert: gate_up 5760 x 2880,
-down 2880 x 2880), on a 1-layer `synth gpt-oss-120b` checkpoint and its trn2 build (`--no-compile`).
+down 2880 x 2880), on a 1-layer `synth gpt-oss-120b` checkpoint and its trn3 build (`--no-compile`).
 Each line: the median of 5 (CPU seconds of the process, all its threads), in one process so
 the ratios hold on a loaded machine.
 
@@ -84,7 +84,7 @@ def main() -> None:
     with scratch(a.dir) as d:
         ck, out = d / "ck", d / "build"
         run([GK, "synth", "gpt-oss-120b", "--layers", "1", "--out", str(ck), "-q"])
-        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out", str(out),
+        run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml"), "--set", f"source={ck}", "--out", str(out),
              "--no-compile", "-q"], stdout=subprocess.DEVNULL)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         got = {}

@@ -2,7 +2,7 @@
 120b-shaped build as a whole process, against the bare interpreter and (``--baseline DIR``) the
 gkbuild of another checkout, alternating in the same run; wall and CPU seconds, and what it imports.
 
-The 120b trn2 recipe on synth://gpt-oss-120b?layers=2 is built once (its NEFF stage is skipped
+The 120b trn3 recipe on synth://gpt-oss-120b?layers=2 is built once (its NEFF stage is skipped
 without the Neuron SDK, as on any host without it); then `--repeat` rounds each time a no-op
 compile with every tree (checked: did_work false) and `python -c pass`, in an order that starts
 one later every round; medians. The trees share the build folder (their state files agree; each
@@ -39,7 +39,7 @@ def main() -> None:
     a = ap.parse_args()
     with scratch(a.dir) as d:
         trees = {"this tree": ROOT} | ({"baseline": Path(a.baseline)} if a.baseline else {})
-        args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--json",
+        args = ["compile", str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml"), "--json",
                 "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
 
         def gk(tree: Path, *extra: str) -> tuple[list[str], dict]:

@@ -1,7 +1,7 @@
 """Golden + verify of a gpt-oss-120b-shaped trn2 build at full width (issue 18): for each layer
 count, `gkbuild synth gpt-oss-120b --layers N`, `gkbuild golden` of it (4 prompts x 32 positions:
 4 prompt tokens + 28 greedy steps, FP8 e4m3 KV as trn2 stores it), the build from
-`recipes/gpt-oss-120b-trn2.yaml` (TP8 x DP16 x EP128, `--no-compile`), and `gkbuild verify` of it
+`recipes/gpt-oss-120b-trn3.yaml --set target=trn2` (TP8 x DP16 x EP128, `--no-compile`), and `gkbuild verify` of it
 against that golden. Wall and CPU seconds (user + system) and peak RSS of each command, the load
 average around it (the machine is shared), and a least-squares line through the layer counts
 projected to the 36-layer model. Run alone: one 120b-width process at a time. Disk: a checkpoint
@@ -108,8 +108,8 @@ def verify_trees(a: argparse.Namespace, trees: dict, order: list[str], ck: Path,
     """The build of checkpoint ``ck`` (by the new tree) into ``out``, then each tree's verify of it against
     its own golden, ``a.repeat`` times in ``order`` (the least CPU kept in ``got``)."""
     d = out.parent
-    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
-         str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml"), "--set", "target=trn2", "--set", f"source={ck}",
+         "--out", str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
     if a.golden_once:
         shutil.rmtree(ck, ignore_errors=True)  # verify reads the build and the golden only
     # untimed: the first verify of a build hashes its files (later ones find them in the fingerprint
@@ -185,8 +185,8 @@ def main() -> None:
             if not measured["verify"].exists():
                 if not (out / "manifest.json").exists():
                     shutil.rmtree(out, ignore_errors=True)
-                    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"), "--set", f"source={ck}", "--out",
-                         str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
+                    run([GK, "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml"), "--set", "target=trn2", "--set", f"source={ck}",
+         "--out", str(out), "--no-compile", "-q"], stdout=subprocess.DEVNULL)
                 shutil.rmtree(ck, ignore_errors=True)
                 with open(d / f"verify{L}.json", "w") as f:
                     m = run_cpu([GK, "verify", str(out), "--golden", str(g), "--json", "-q"], stdout=f)

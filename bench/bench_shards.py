@@ -46,7 +46,7 @@ def main() -> None:
         def build(tree: Path, kind: str, out: Path):
             if kind == "cold":
                 (d / "cache" / "fingerprints.json").unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml"),
+            cmd = [sys.executable, "-m", "gkbuild", "compile", str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml"),
                    "--out", str(out), "--no-compile", "--json", "--set", f"source=synth://gpt-oss-120b?layers={a.layers}"]
             return timed(cmd, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
 

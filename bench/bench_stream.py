@@ -1,7 +1,7 @@
 """``gkbuild compile --to s3://`` (the streamed build, issue 26) against ``compile`` + ``publish`` of
 the same recipe, from the same S3 source into the same S3 server (moto on 127.0.0.1), in one run.
 
-The gpt-oss-120b trn2 recipe on a synthesized N-layer 120b-shaped checkpoint, uploaded to
+The gpt-oss-120b trn3 recipe on a synthesized N-layer 120b-shaped checkpoint, uploaded to
 s3://src/ckpt (outside the clock). The server is moto's with ranged GETs that read only the bytes
 asked for (``moto_ranged.py``: moto 5.2.5 reads a whole object for each ranged GET); the
 checkpoint's files are ``--file-size`` (1 GB; the hub's are ~4 GB, but moto's
@@ -46,7 +46,7 @@ from tests.raycluster import members, ray_cluster  # noqa: E402
 from tests.s3server import moto_server  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
-RECIPE = str(ROOT / "recipes" / "gpt-oss-120b-trn2.yaml")
+RECIPE = str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml")
 SOURCE = "source=s3://src/ckpt"
 
 

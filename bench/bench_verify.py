@@ -34,9 +34,9 @@ def main() -> None:
         cases = [("tiny-cpu.yaml", [], "synth://tiny?layers=2&seed=0", "bf16"),
                  ("tiny-cpu.yaml", ["kv_cache.dtype=fp8", "kv_cache.packed=true"], "synth://tiny?layers=2&seed=0",
                   "fp8_e4m3fn"),
-                 ("tiny-topology-trn2.yaml", ["kv_cache.dtype=bf16", "kv_cache.packed=false"],
+                 ("tiny-topology-trn3.yaml", ["kv_cache.dtype=bf16", "kv_cache.packed=false"],
                   "synth://tiny-topology?layers=2&seed=0", "bf16"),
-                 ("tiny-topology-trn2.yaml", [], "synth://tiny-topology?layers=2&seed=0", "fp8_e4m3")]
+                 ("tiny-topology-trn3.yaml", [], "synth://tiny-topology?layers=2&seed=0", "fp8_e4m3fn")]
         for recipe, sets, src, kv_format in cases:
             out = d / "build"
             shutil.rmtree(out, ignore_errors=True)

@@ -450,7 +450,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
 
     \b
       gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
-      gkbuild verify artifacts/gpt-oss-120b-trn2 --golden g.safetensors --json
+      gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
     """
     from .verify import check_prefill, run
 
@@ -560,8 +560,8 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
 
     \b
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
-      gkbuild publish artifacts/gpt-oss-120b-trn2 --to hf://my-org/gpt-oss-120b-gk@trn2
-      gkbuild publish artifacts/gpt-oss-120b-trn2 --to s3://my-bucket/builds/gpt-oss-120b-trn2
+      gkbuild publish artifacts/gpt-oss-120b-trn3 --to hf://my-org/gpt-oss-120b-gk@trn3
+      gkbuild publish artifacts/gpt-oss-120b-trn3 --to s3://my-bucket/builds/gpt-oss-120b-trn3
     """
     from .publish.publish import publish as run
 
@@ -947,7 +947,7 @@ def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_
     assembles the build without compiling.
 
     \b
-      gkbuild farm recipes/gpt-oss-120b-trn2.yaml recipes/gpt-oss-120b-trn3.yaml \\
+      gkbuild farm recipes/gpt-oss-20b-trn3.yaml recipes/gpt-oss-120b-trn3.yaml \\
           --vary 'decode.batch_sizes=[[1, 8], [64]]' --cache s3://my-bucket/gk-cache --executor ray
       gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --list --json   # the CI matrix
       gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --only 3f2a9c0d41be  # one cell
@@ -1070,7 +1070,18 @@ def _print_matrix(as_json: bool) -> None:
         click.echo(f"{k}: {r.says} ({r.source})")
 
 
+# Libraries that transformers imports behind our back and that log at import, not about our work:
+# transformers/quantizers/auto.py imports quantizer_torchao (hence torchao) whenever torchao is
+# installed; torchao/__init__.py:96 warns for each CUDA-only .so it cannot load, and its
+# register_constant calls make torch/utils/_pytree.py:630 warn per Enum. A CLI line is ours alone.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def main(argv=None) -> None:
+    import logging
+
+    for name in _IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for stream in (sys.stdout, sys.stderr):  # names from files are data: a lone surrogate prints escaped
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")

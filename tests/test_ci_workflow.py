@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 import yaml
 
 from gkbuild import recipe
@@ -23,6 +24,7 @@ from gkbuild.golden import Golden
 from tests.conftest import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "build-artifacts.yml"
+ZIZMOR_CONFIG = ROOT / ".github" / "zizmor.yml"
 
 
 def _workflow() -> dict:
@@ -122,7 +124,7 @@ def test_the_farm_fans_out_over_the_missing_programs_then_the_build_assembles(tm
 
 def test_the_build_is_signed_keyless_by_the_runner_and_the_fetching_job_trusts_that_identity():
     wf = _workflow()
-    assert wf["permissions"]["id-token"] == "write"  # the runner may ask GitHub for its OIDC token
+    assert wf["jobs"]["build"]["permissions"]["id-token"] == "write"  # the runner may ask GitHub for its OIDC token
     build = _commands(wf)[0]
     assert build[0] == "compile" and build[build.index("--sign") + 1] == "sigstore"
     job = wf["jobs"]["verify-on-trainium"]
@@ -154,3 +156,71 @@ def test_the_default_recipe_builds_and_verifies_against_the_stored_golden(tmp_pa
     compile_build(recipe.load(recipe_path), out=out, quiet=True, compile=False)
     rep = verify_run(out, Golden.load(golden_path))
     assert rep.ok and rep.max_abs_err < 0.05
+
+
+# -- the workflow as a supply-chain linter sees it -------------------------------------------------------
+def _zizmor(workflow: Path, config: Path = ZIZMOR_CONFIG) -> list[dict]:
+    """zizmor's findings on ``workflow`` (offline: no GitHub API), honoring the ignores in ``config``."""
+    exe = Path(sys.executable).with_name("zizmor")
+    assert exe.is_file(), f"{exe}: zizmor is not installed (it is in gkbuild's test extras)"
+    r = subprocess.run([str(exe), "--offline", "--strict-collection", "--no-progress", "--format", "json", "--config", str(config),
+                        str(workflow)], capture_output=True, text=True, timeout=120)
+    # 0: no findings; 10-14: findings (by the highest severity); anything else: zizmor itself failed
+    assert r.returncode == 0 or 10 <= r.returncode <= 14, r.stderr
+    return json.loads(r.stdout)
+
+
+def _where(f: dict) -> str:
+    loc = f["locations"][0]
+    return f"{loc['symbolic']['key']['Local']['given_path']}:{loc['concrete']['location']['start_point']['row'] + 1}"
+
+
+def test_zizmor_finds_nothing_unjustified_in_the_workflow():
+    """Every finding is fixed or accepted, with its reason, in .github/zizmor.yml."""
+    found = _zizmor(WORKFLOW)
+    assert found == [], "; ".join(f"{f['ident']} at {_where(f)}: {f['desc']}" for f in found)
+
+
+def test_zizmor_reports_what_the_workflow_used_to_do(tmp_path):
+    """The check bites: tag-pinned actions, a checkout that keeps the token, a workflow-wide id-token."""
+    text = WORKFLOW.read_text()
+    text = re.sub(r"(uses: actions/checkout)@[0-9a-f]{40}( # \S+)?", r"\1@v4", text, count=1)
+    text = text.replace("        with:\n          persist-credentials: false\n", "", 1)  # the first checkout's
+    text = re.sub(r"\n    permissions:\n(      .*\n)+", "\n", text)  # the jobs' own, and one for the workflow
+    text = text.replace("permissions: {}\n", "permissions:\n  contents: read\n  id-token: write\n", 1)
+    bad = tmp_path / WORKFLOW.name
+    bad.write_text(text)
+    assert {f["ident"] for f in _zizmor(bad)} == {"unpinned-uses", "artipacked", "excessive-permissions"}
+
+
+def test_every_accepted_zizmor_finding_says_why():
+    """An ignore in the config names its place and carries its reason on the same line."""
+    cfg = yaml.safe_load(ZIZMOR_CONFIG.read_text())
+    assert cfg["rules"]["unpinned-uses"]["config"]["policies"] == {"*": "hash-pin"}  # GitHub's own actions too
+    places = [i for rule in cfg["rules"].values() for i in rule.get("ignore", [])]
+    lines = ZIZMOR_CONFIG.read_text().splitlines()
+    for place in places:
+        assert re.fullmatch(r"[\w.-]+\.ya?ml:\d+(:\d+)?", place), place
+        assert any(place in ln and "#" in ln.split(place, 1)[1] for ln in lines), f"{place}: ignored without a reason"
+
+
+def test_every_action_is_pinned_to_a_commit_with_its_tag_beside_it():
+    """Any job's ``uses:``, not only today's jobs: a full sha, and the tag it was, for whoever bumps it."""
+    uses = [ln.strip() for ln in WORKFLOW.read_text().splitlines() if re.match(r"\s*(- )?uses:", ln)]
+    assert uses
+    for u in uses:
+        assert re.fullmatch(r"(- )?uses: [\w.-]+/[\w./-]+@[0-9a-f]{40} # v\d+(\.\d+)*", u), u
+
+
+@pytest.mark.parametrize("job", sorted(_workflow()["jobs"]))
+def test_each_job_holds_only_what_it_uses(job):
+    """Nothing workflow-wide; each job reads the repository; id-token only where the build is signed; no
+    checkout keeps the token in .git/config."""
+    wf = _workflow()
+    assert wf["permissions"] == {}
+    spec = wf["jobs"][job]
+    signs = any("--sign" in s.get("run", "") for s in spec["steps"])
+    assert spec["permissions"] == {"contents": "read", **({"id-token": "write"} if signs else {})}
+    for s in spec["steps"]:
+        if s.get("uses", "").startswith("actions/checkout@"):
+            assert s["with"]["persist-credentials"] is False

@@ -29,7 +29,7 @@ def _imported(*args: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
 
 def test_a_no_op_compile_imports_nothing_heavy(tmp_path):
     out = tmp_path / "b"
-    recipe = str(RECIPES / "tiny-topology-trn2.yaml")  # 128 ranks; its NEFF stage is skipped here
+    recipe = str(RECIPES / "tiny-topology-trn3.yaml")  # 128 ranks; its NEFF stage is skipped here
     first = run_cli("compile", recipe, "--out", str(out), "-q")
     assert first.returncode == 0, first.stderr
     assert _imported("compile", recipe, "--out", str(out), "-q", "--json",
@@ -37,7 +37,7 @@ def test_a_no_op_compile_imports_nothing_heavy(tmp_path):
 
 
 def test_planning_a_farm_imports_nothing_heavy(tmp_path):
-    assert _imported("farm", str(RECIPES / "tiny-cpu.yaml"), str(RECIPES / "tiny-topology-trn2.yaml"),
+    assert _imported("farm", str(RECIPES / "tiny-cpu.yaml"), str(RECIPES / "tiny-topology-trn3.yaml"),
                      "--cache", str(tmp_path / "c"), "--list", "--json") == []
 
 
@@ -46,7 +46,7 @@ def test_building_mxfp4_shards_imports_no_ml_dtypes(topo_ckpt, tmp_path):
     (0.6 s of start-up). ``-X importtime`` is inherited by the forked workers and reports theirs.
     (The checkpoint exists already: synthesizing one does use ml_dtypes.)"""
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gkbuild", "compile",
-                        str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(tmp_path / "b"), "--no-compile", "-q",
+                        str(RECIPES / "tiny-topology-trn3.yaml"), "--out", str(tmp_path / "b"), "--no-compile", "-q",
                         "--set", f"source={topo_ckpt}"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "b" / "manifest.json").exists()

@@ -14,12 +14,12 @@ from tests.conftest import RECIPES, run_cli
 
 def _plan(name, **over):
     r = recipe.load(RECIPES / f"{name}.yaml", [f"{k}={v}" for k, v in over.items()])
-    return make_plan(r, preset({"gpt-oss-120b-trn2": "gpt-oss-120b", "gpt-oss-120b-trn3": "gpt-oss-120b",
-                                "gpt-oss-20b-trn2": "gpt-oss-20b"}.get(name, "tiny-topology")))
+    return make_plan(r, preset({"gpt-oss-120b-trn3": "gpt-oss-120b", "gpt-oss-20b-trn3": "gpt-oss-20b"}.get(
+        name, "tiny-topology")))
 
 
 def test_120b_rank0_contract_shapes():
-    j = _plan("gpt-oss-120b-trn2").to_json()
+    j = _plan("gpt-oss-120b-trn3").to_json()
     rt = {k: (v["shape"], v["dtype"]) for k, v in j["rank_tensors"].items()}
     assert rt["W_qkv"] == ([36, 3072, 640], "bf16")
     assert rt["bias_qkv"] == ([36, 1, 640], "bf16")
@@ -42,18 +42,18 @@ def test_120b_rank0_contract_shapes():
     assert kv["block_size"] == 128 and kv["bytes_per_rank"] == 36 * 2 * 14563 * 8192
     assert kv["k_entry_shape"] == [14563, 1, 64, 64, 2] and kv["allocation_shape"] == [36, 14563, 1, 128, 64]
     assert j["tail"] == {"vocab_per_rank": 1571, "hops": [8, 16], "k": 256}
-    assert j["bytes_per_rank"] == sum(s.nbytes for _, s in _plan("gpt-oss-120b-trn2").rank_tensors(0).values())
+    assert j["bytes_per_rank"] == sum(s.nbytes for _, s in _plan("gpt-oss-120b-trn3").rank_tensors(0).values())
     assert j["scalars"]["softmax_scale"] == pytest.approx(0.125)
     assert j["scalars"]["up_clamp_upper_limit"] == 8.0
 
 
 def test_trn3_uses_ocp_fp8():
     assert _plan("gpt-oss-120b-trn3").to_json()["kv"]["dtype"] == "fp8_e4m3fn"
-    assert _plan("gpt-oss-120b-trn2").to_json()["kv"]["dtype"] == "fp8_e4m3"
+    assert _plan("gpt-oss-120b-trn3", target="trn2").to_json()["kv"]["dtype"] == "fp8_e4m3"
 
 
 def test_tiny_topology_mirrors_120b_per_rank():
-    big, tiny = _plan("gpt-oss-120b-trn2"), _plan("tiny-topology-trn2")
+    big, tiny = _plan("gpt-oss-120b-trn3"), _plan("tiny-topology-trn3")
     assert tiny.world == big.world == 128
     assert set(tiny.rank_tensors(0)) == set(big.rank_tensors(0))
     for rank in (0, 77, 127):
@@ -68,7 +68,7 @@ def test_tiny_topology_mirrors_120b_per_rank():
 
 
 def test_files_are_unique_and_dedup():
-    p = _plan("gpt-oss-120b-trn2")
+    p = _plan("gpt-oss-120b-trn3")
     assert len({f.path for f in p.files}) == len(p.files) == 1 + 8 + 128 + 128 + 1
     assert p.disk_bytes < p.weight_bytes(0) * p.world
 
@@ -91,18 +91,18 @@ def test_files_are_unique_and_dedup():
 ])
 def test_bad_recipes_against_the_real_config(over, message):
     with pytest.raises(GkError, match=message):
-        _plan("gpt-oss-120b-trn2", **over)
+        _plan("gpt-oss-120b-trn3", **over)
 
 
 def test_budget_mode():
-    p = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
+    p = _plan("gpt-oss-120b-trn3", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                        "kv_cache.memory_utilization": 0.9})
     j = p.to_json()["kv"]
     usable = int(24 * 2**30 * 0.9)  # the 1 GiB reserve fits in the 2.4 GiB memory_utilization leaves
     fit = (usable - p.weight_bytes(0)) // (36 * 2 * 8192)  # stacked: an entry a layer
     assert j["num_blocks"] == min(fit, 14563) and j["budget"]["mode"] == "hbm"
     assert j["budget"]["fits_blocks"] == fit and j["budget"]["capped_by_dma"] == (fit > 14563)
-    pb = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
+    pb = _plan("gpt-oss-120b-trn3", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                         "kv_cache.memory_utilization": 0.9, "kv_cache.form": "paired"})
     per_block = 18 * 2 * 8192  # paired: an entry a layer pair
     assert pb.to_json()["kv"]["num_blocks"] == min((usable - pb.weight_bytes(0)) // per_block, 29127)
@@ -111,13 +111,13 @@ def test_budget_mode():
     assert b["device_bytes"] == pb.weight_bytes(0) + pb.kv.bytes_per_rank + 2**30 <= 24 * 2**30
     assert b["host_bytes"] == 201088 * 3072 * 2  # reported, not charged
     # a reserve larger than what memory_utilization leaves free comes out of the KV
-    big = _plan("gpt-oss-120b-trn2", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
+    big = _plan("gpt-oss-120b-trn3", **{"kv_cache.num_blocks": "null", "kv_cache.hbm_per_rank_gib": 24,
                                          "kv_cache.memory_utilization": 0.9, "kv_cache.device_reserve_gib": 4,
                                          "kv_cache.form": "paired"})
     assert big.budget["fits_blocks"] == (20 * 2**30 - big.weight_bytes(0)) // per_block
 
 
-# gpt-oss-20b-trn2 as planned before the embedding left the device (main at 0b55ba7): every rank was
+# gpt-oss-20b-trn2 (the same recipe for trn2) as planned before the embedding left the device (main at 0b55ba7): every rank was
 # charged the replicated [201088, 3072] bf16 table, 1.69 GiB of "weights per rank" in all. An entry a
 # layer pair (then per_buffer, now paired: the same bytes a block): 49,771 blocks; stacked KV (the
 # default): 24,885 blocks fit, capped at 21,845 by the DMA offset.
@@ -126,7 +126,7 @@ BLOCKS_BEFORE_20B = {"paired": 49_771, "stacked": 24_885}
 
 @pytest.mark.parametrize("form", ["paired", "stacked"])
 def test_budget_on_20b_gains_at_least_the_embedding(form):
-    p = _plan("gpt-oss-20b-trn2", **{"kv_cache.form": form})
+    p = _plan("gpt-oss-20b-trn3", **{"kv_cache.form": form})
     embedding = 201088 * 3072 * 2
     b = p.budget
     before, after = BLOCKS_BEFORE_20B[form], b["fits_blocks"]
@@ -140,7 +140,7 @@ def test_budget_on_20b_gains_at_least_the_embedding(form):
     assert b["free_bytes"] >= embedding
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b-trn2", "gpt-oss-20b-trn2", "tiny-topology-trn2"])
+@pytest.mark.parametrize("name", ["gpt-oss-120b-trn3", "gpt-oss-20b-trn3", "tiny-topology-trn3"])
 @pytest.mark.parametrize("placement", ["host", "vocab", "hidden"])
 def test_no_rank_loads_the_full_embedding(name, placement):
     p = _plan(name, **{"decode.embedding": placement})
@@ -167,7 +167,7 @@ def test_no_rank_loads_the_full_embedding(name, placement):
 
 
 def test_fused_inputs_describe_what_the_kernel_takes():
-    p = _plan("gpt-oss-120b-trn2", **{"decode.embedding": "vocab", "decode.rope": "fused"})
+    p = _plan("gpt-oss-120b-trn3", **{"decode.embedding": "vocab", "decode.rope": "fused"})
     got = {i["name"]: i for i in p.fused_inputs(13)}  # rank 13: TP rank 5 of DP replica 1
     assert got["embed_weight"]["shape"] == [25136, 3072]  # ceil(201088 / 8) rows a TP rank
     assert got["embed_weight"]["file"] == "weights/embed-vocab-tp5.safetensors"
@@ -177,11 +177,11 @@ def test_fused_inputs_describe_what_the_kernel_takes():
     assert got["inv_freq"]["shape"] == [32, 1] and got["inv_freq"]["dtype"] == "fp32"
     assert got["inv_freq"]["file"] == "weights/shared.safetensors"
     assert got["rope_concentration"]["value"] == pytest.approx(0.1 * math.log(32) + 1)
-    h = {i["name"]: i for i in _plan("gpt-oss-120b-trn2", **{"decode.embedding": "hidden"}).fused_inputs(13)}
+    h = {i["name"]: i for i in _plan("gpt-oss-120b-trn3", **{"decode.embedding": "hidden"}).fused_inputs(13)}
     assert h["embed_weight"]["shape"] == [201088, 384] and h["embed_weight"]["file"] == "weights/embed-tp5.safetensors"
     assert h["embed_ids"]["shape"] == ["B_attn"] and "inv_freq" not in h
     assert h["embed_x_shard_ids"]["kind"] == "rank" and "5*T_shard" in h["embed_x_shard_ids"]["rule"]
-    assert _plan("gpt-oss-120b-trn2").fused_inputs(0) == []
+    assert _plan("gpt-oss-120b-trn3").fused_inputs(0) == []
 
 
 def test_placements_the_programs_cannot_take_are_refused():
@@ -190,9 +190,9 @@ def test_placements_the_programs_cannot_take_are_refused():
     with pytest.raises(GkError, match=r"decode.rope: 'fused' is not valid"):
         recipe.load(RECIPES / "tiny-cpu.yaml", ["decode.rope=fused"])
     with pytest.raises(GkError, match=r"decode.embedding: 'rows' is not one of host, vocab, hidden"):
-        recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["decode.embedding=rows"])
+        recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["decode.embedding=rows"])
     cfg = dataclasses.replace(preset("tiny"), num_attention_heads=12, num_key_value_heads=3)
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", [
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", [
         "topology={tp: 3, dp: 1, ep: 3, lnc: 1, vtp: 3}", "decode.batch_sizes=[3]", "decode.embedding=hidden"])
     with pytest.raises(GkError, match=r"decode.embedding: hidden: tp 3 does not divide the 1024 padded hidden lanes"):
         make_plan(r, cfg)
@@ -221,9 +221,9 @@ def test_plan_cli_against_a_hub_cache(tmp_path):
 
 
 def test_plan_cli_tables_and_errors():
-    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "target=trn3")
+    r = run_cli("plan", str(RECIPES / "tiny-topology-trn3.yaml"))
     assert r.returncode == 0 and "expert_gate_up_weights" in r.stdout and "DMA offset check" in r.stdout
-    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "topology.tpp=4")
+    r = run_cli("plan", str(RECIPES / "tiny-topology-trn3.yaml"), "--set", "topology.tpp=4")
     assert r.returncode == 1 and "did you mean 'topology.tp'" in r.stderr
 
 

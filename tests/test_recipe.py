@@ -132,7 +132,7 @@ def test_batch_groups_follow_the_tail_kernels_rules():
     from gkbuild.model import preset
     from gkbuild.plan import make_plan
 
-    topo = RECIPES / "tiny-topology-trn2.yaml"
+    topo = RECIPES / "tiny-topology-trn3.yaml"
     one_hop = ["topology.hops=[128]", "topology.a2a_batch_groups=2", "decode.batch_sizes=[256]"]
     with pytest.raises(GkError, match=r"a2a_batch_groups: 2 is refused by the tail kernel at batch 256: the "
                                       r"receive-layout fold is not supported .* vocabulary 2048"):
@@ -140,8 +140,29 @@ def test_batch_groups_follow_the_tail_kernels_rules():
     with pytest.raises(GkError, match="single-hop exchange only"):
         make_plan(recipe.load(topo, ["topology.a2a_batch_groups=2", "decode.batch_sizes=[256]"]),
                   preset("tiny-topology"))
-    big = RECIPES / "gpt-oss-120b-trn2.yaml"
+    big = RECIPES / "gpt-oss-120b-trn3.yaml"
     with pytest.raises(GkError, match="whole 128-row lm_head tiles"):
         make_plan(recipe.load(big, one_hop[:2] + ["decode.batch_sizes=[128]"]), preset("gpt-oss-120b"))
     p = make_plan(recipe.load(big, one_hop), preset("gpt-oss-120b"))  # the production geometry is accepted
     assert p.tail["a2a_batch_groups"] == 2
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_plans(path):
+    """What ships is what the tool accepts (issue 36: plan refused three of five)."""
+    r = run_cli("plan", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+
+
+def test_compile_refuses_what_plan_refuses_before_writing_anything(tmp_path):
+    """Without the Neuron SDK too (it used to warn and build): the same one line, what to do at its end."""
+    from gkbuild.compile.rules import TRN3_OR_OWN_KERNEL
+
+    args = (str(RECIPES / "tiny-topology-trn3.yaml"), "--set", "target=trn2")
+    plan = run_cli("plan", *args)
+    comp = run_cli("compile", *args, "--out", str(tmp_path / "b"), "-q")
+    streamed = run_cli("compile", *args, "--to", str(tmp_path / "store"), "-q")
+    for r in (plan, comp, streamed):
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "refused by nc_matmul_mx" in r.stderr, r.stderr
+        assert r.stderr.rstrip().endswith(TRN3_OR_OWN_KERNEL)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "store").exists()

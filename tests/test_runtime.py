@@ -15,7 +15,9 @@ from tests.conftest import RECIPES
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("rt") / "topo"
-    compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
+    # trn2's FP8 (e4m3 carried as float8_e4m3fn): the layout only, as a trn2 build keeps it (--no-compile)
+    compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["target=trn2"]), out=out, quiet=True,
+                  compile=False)
     return out
 
 

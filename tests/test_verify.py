@@ -128,12 +128,12 @@ def test_a_verify_that_forces_too_many_routings_fails(tmp_path, tiny_golden):
                          ids=["bf16-kv", "packed-fp8-kv", "paired-packed-fp8-kv"])
 def test_tiny_topology_passes_tightly_emulated_over_128_ranks(tmp_path, sets):
     """In either KV form (stacked, the default, or paired), against the golden verify computes
-    in the build's KV format (trn2 FP8: e4m3, max 240): max error and forced routings at the bf16
+    in the build's KV format (trn3 FP8: OCP e4m3fn, max 448): max error and forced routings at the bf16
     level, FP8 or not."""
-    out = _build(tmp_path, "topo", sets, "tiny-topology-trn2.yaml")
+    out = _build(tmp_path, "topo", sets, "tiny-topology-trn3.yaml")
     rep = verify.run(out, steps=16)
     assert rep.ok and rep.kv == "tight", rep.to_dict()
-    assert rep.build_kv.startswith("bf16" if "kv_cache.dtype=bf16" in sets else "fp8_e4m3 ")
+    assert rep.build_kv.startswith("bf16" if "kv_cache.dtype=bf16" in sets else "fp8_e4m3fn ")
     assert len(rep.steps) == 20
     assert rep.max_abs_err <= 0.05 and rep.routing_forced <= 0.02 * rep.routing_total
 
@@ -145,7 +145,7 @@ def test_tiny_topology_passes_with_every_embedding_placement_and_rope_mode(tmp_p
     128 emulated ranks. Every form is exact, so the reports are the same to the last bit."""
     golden, reports = None, {}
     for sets in (["decode.embedding=vocab", "decode.rope=fused"], ["decode.embedding=hidden"], ["decode.rope=fused"]):
-        out = _build(tmp_path, "-".join(sets), sets, "tiny-topology-trn2.yaml")
+        out = _build(tmp_path, "-".join(sets), sets, "tiny-topology-trn3.yaml")
         if golden is None:  # one golden (4 steps) in the builds' KV format, shared
             golden = for_checkpoint(materialize(parse("synth://tiny-topology?layers=2&seed=0")),
                                     default_prompts(2048, 4, 4), 4, reference.build_kv(Build.open(out).manifest))

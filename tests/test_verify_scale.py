@@ -36,10 +36,10 @@ def test_the_small_preset_takes_the_real_models_index_paths():
 @pytest.mark.slow
 def test_golden_build_and_verify_at_real_widths(tmp_path):
     ck = synthesize(SMALL, tmp_path / "ck", seed=0)
-    r = recipe.load(RECIPES / "gpt-oss-120b-trn2.yaml", [f"source={ck}", *SETS])
+    r = recipe.load(RECIPES / "gpt-oss-120b-trn3.yaml", [f"source={ck}", *SETS])
     out = tmp_path / "build"
     compile_build(r, out=out, quiet=True, compile=False)
-    golden = for_checkpoint(ck, [[11, 1900, 7, 512]], steps=2, kv=KvFormat("fp8_e4m3"))
+    golden = for_checkpoint(ck, [[11, 1900, 7, 512]], steps=2, kv=KvFormat("fp8_e4m3fn"))
     rep = verify.run(out, golden=golden)
     assert rep.ok and rep.kv == "tight", rep.to_dict()
     assert rep.max_abs_err <= 0.05 and max(rep.layer_errors) < verify.LAYER_TOL["tight"]

@@ -30,19 +30,23 @@ class Rule:
     id: str
     says: str
     source: str
+    remedy: str = ""  # what a refused recipe can do instead, as its one line ends
 
 
+TRN3_OR_OWN_KERNEL = ("build for trn3 (target: trn3, as recipes/*-trn3.yaml do), or name a decode kernel whose MoE "
+                      "runs on NeuronCore-v3 (compile.kernels.decode.library)")
 RULES = {r.id: r for r in (
     Rule("nc_matmul_mx", "nki.isa.nc_matmul_mx is available only on NeuronCore-v4 and newer (Trn3; Trn2 is v3)",
-         f"{DOCS}/nki/api/generated/nki.isa.nc_matmul_mx.html"),
+         f"{DOCS}/nki/api/generated/nki.isa.nc_matmul_mx.html", TRN3_OR_OWN_KERNEL),
     Rule("NCC_EVRF051", "F8E4M3FN is not supported on Trn1/Trn2; --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 converts "
                         "F8E4M3FN operands to F8E4M3 for other operations, never for QuantizeMX",
-         f"{DOCS}/compiler/error-codes/evrf051.html (neuronx-cc error code NCC_EVRF051)"),
+         f"{DOCS}/compiler/error-codes/evrf051.html (neuronx-cc error code NCC_EVRF051)", TRN3_OR_OWN_KERNEL),
     Rule("NCC_EVRF052", "F8E4M3 is refused only on hardware newer than Trn3",
          f"{DOCS}/compiler/error-codes/evrf052.html (neuronx-cc error code NCC_EVRF052)"),
     Rule("NCC_EOCP001", "a compiled module selects one E4M3 conversion mode: one holding both float8_e4m3 and "
                         "float8_e4m3fn tensors is refused (often an NKI kernel declaring scratch tensors of the other "
-                        "E4M3 type)", f"{DOCS}/compiler/error-codes/eocp001.html (neuronx-cc error code NCC_EOCP001)"),
+                        "E4M3 type)", f"{DOCS}/compiler/error-codes/eocp001.html (neuronx-cc error code NCC_EOCP001)",
+         "keep one E4M3 type: store the KV unpacked (kv_cache.packed: false) or as bf16 (kv_cache.dtype: bf16)"),
     Rule("moe_mx_dtype", "the MoE takes its experts as MX only when the argument's dtype is float4_e2m1fn_x4 or "
                          "float8_e4m3fn_x4, and at LNC=1 takes MX only; how a torch dtype reaches an nki.jit kernel "
                          "under torch_neuronx.trace is not documented",
@@ -254,9 +258,13 @@ def plan_verdicts(plan, profile: dict | None = None, roots: dict | None = None) 
 
 
 def refusal(verdicts: list[Verdict]) -> str | None:
-    """The first refusal's one line, or None."""
+    """The first refusal's one line (what to do instead at its end), or None."""
     v = next((v for v in verdicts if v.status == "refused"), None)
-    return None if v is None else f"the {v.program} program is refused by {v.rule}: {v.line} ({RULES[v.rule].source})"
+    if v is None:
+        return None
+    rule = RULES[v.rule]
+    return (f"the {v.program} program is refused by {v.rule}: {v.line} ({rule.source})"
+            + (f"; {rule.remedy}" if rule.remedy else ""))
 
 
 # -- the support matrix ----------------------------------------------------------------------------------

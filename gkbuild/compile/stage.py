@@ -97,6 +97,17 @@ def prepare(plan, be: Backend) -> Backend:
     return replace(be, roots={p: d[0] for p, d in done.items()}, kernels={p: d[1] for p, d in done.items()})
 
 
+def refuse_unbuildable(recipe, config) -> None:
+    """A Neuron recipe whose programs ``gkbuild plan`` refuses is refused before a build writes
+    anything, with or without the SDK (the same rules on the same plan, from the model config
+    alone): plan and compile give the same one line."""
+    if recipe.backend != "neuron":
+        return
+    from ..plan import make_plan
+
+    _refuse(make_plan(recipe, config), hostprofile.of(recipe))
+
+
 def _refuse(plan, profile: dict | None, roots: dict | None = None) -> None:
     why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(profile), roots))
     if why:
@@ -162,9 +173,6 @@ def run(plan, out: Path, state, progress, require_neff: bool = False, before_wri
                           f"from the Neuron repository)")
         warn(f"{r.target} artifacts not compiled: {skipped}; everything else is built (the manifest records "
              f"the {r.backend} stage as skipped)")
-        why = rules.refusal(rules.plan_verdicts(plan, hostprofile.answers(be.profile))) if be.name == "neuron" else None
-        if why:
-            warn(f"and they would not compile: {why}")
         entries = [artifact_entry(plan, s, be, out, None, status) for s in sigs]
         return {"status": status, "backend": r.backend, "artifacts": entries, **_profile(be)}, k, "skipped", skipped
     overflows = hostprofile.answers(be.profile).get("fp8_saturation") == "inf"

@@ -74,12 +74,22 @@ class BuildResult:
                             "detail": s.detail} for s in self.stages]}
 
 
+# A compile killed with -9 leaves its forked pool workers holding the inherited lock until their
+# PR_SET_PDEATHSIG kill has landed (moments, longer on a loaded machine): a rerun waits that long.
+LOCK_GRACE_S = 5.0
+
+
 @contextmanager
 def _lock(out: Path):
-    with file_lock(out / STATE_DIR / "lock", wait=False) as fd:
-        if fd is None:
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        with file_lock(out / STATE_DIR / "lock", wait=False) as fd:
+            if fd is not None:
+                yield
+                return
+        if time.monotonic() > deadline:
             raise GkError(f"{out}: another gkbuild compile is writing this folder")
-        yield
+        time.sleep(0.1)
 
 
 class _Runner:
@@ -460,6 +470,11 @@ def compile_build(recipe: Recipe, out: Path | None = None, jobs: int | None = No
     spec = parse(recipe.source, base=recipe.path.parent if recipe.path else None)
     if spec.kind == "dir":
         refuse_overlap(out, Path(spec.path))  # before the folder is even created
+    if compile:  # what plan refuses is refused before anything is written
+        from ..checkpoint.source import model_config
+        from ..compile.stage import refuse_unbuildable
+
+        refuse_unbuildable(recipe, model_config(spec))
     shared = open_cache(cache, cache_push, compile, out)
     claim(out)
     with _lock(out), Progress(quiet) as progress:

@@ -482,6 +482,10 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
         b.lease, b.hub = None, None
         b.resolve()
         b.validate()
+        if compile:  # what plan refuses is refused before the store is touched (its config, read by range)
+            from ..compile.stage import refuse_unbuildable
+
+            refuse_unbuildable(recipe, b.config)
         b.plan()
         b.base_use = disk.sample()
         b.check_scratch()

@@ -132,25 +132,25 @@ def test_the_stand_ins_are_built_from_the_interfaces():
 CONFIGS = {
     "trn2-stacked-fp8-host-b128": ["target=trn2"],
     "trn3-stacked-fp8-host-b256-nologits": ["target=trn3", "decode.batch_sizes=[256]", "tail.emit_logits=false"],
-    "trn2-paired-fp8-vocab-fused-nologits": ["kv_cache.form=paired", "decode.embedding=vocab", "decode.rope=fused",
-                                             "tail.emit_logits=false"],
+    "trn2-paired-fp8-vocab-fused-nologits": ["target=trn2", "kv_cache.form=paired", "decode.embedding=vocab",
+                                             "decode.rope=fused", "tail.emit_logits=false"],
     "trn3-paired-bf16-hidden-b256": ["target=trn3", "kv_cache.form=paired", "kv_cache.dtype=bf16",
                                      "kv_cache.packed=false", "decode.embedding=hidden", "decode.batch_sizes=[256]"],
-    "trn2-stacked-bf16-hidden-fused-b256": ["kv_cache.dtype=bf16", "kv_cache.packed=false", "decode.embedding=hidden",
-                                            "decode.rope=fused", "decode.batch_sizes=[256]"],
+    "trn2-stacked-bf16-hidden-fused-b256": ["target=trn2", "kv_cache.dtype=bf16", "kv_cache.packed=false",
+                                            "decode.embedding=hidden", "decode.rope=fused", "decode.batch_sizes=[256]"],
     "trn3-stacked-fp8-vocab": ["target=trn3", "decode.embedding=vocab"],
-    "trn2-paired-bf16-host-fused": ["kv_cache.form=paired", "kv_cache.dtype=bf16", "kv_cache.packed=false",
-                                    "decode.rope=fused"],
+    "trn2-paired-bf16-host-fused": ["target=trn2", "kv_cache.form=paired", "kv_cache.dtype=bf16",
+                                    "kv_cache.packed=false", "decode.rope=fused"],
     "trn3-paired-fp8-hidden-fused-nologits": ["target=trn3", "kv_cache.form=paired", "decode.embedding=hidden",
                                               "decode.rope=fused", "tail.emit_logits=false"],
 }
 
 
 def _recipe(sets, libraries=False):
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", list(sets))
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", list(sets))
     if libraries:  # the stand-in trees, chosen as gkbuild chooses the published revisions
         lib = LIB_F if kernel_source.fork_forms(r) else LIB_A
-        r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", [*sets, f"compile.kernels.decode.library={lib}",
+        r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", [*sets, f"compile.kernels.decode.library={lib}",
                                                              f"compile.kernels.tail.library={LIB_F}"])
     return r
 
@@ -179,7 +179,7 @@ def test_every_argument_is_one_the_chosen_revision_takes(name):
 ])
 def test_a_form_the_chosen_revision_lacks_is_refused_at_plan(sets, message):
     with pytest.raises(GkError, match=message) as e:
-        make_plan(recipe.load(RECIPES / "tiny-topology-trn2.yaml", [*sets, f"compile.kernels.decode.library="
+        make_plan(recipe.load(RECIPES / "tiny-topology-trn3.yaml", [*sets, f"compile.kernels.decode.library="
                                                                            f"{kernel_source.A}"]),
                   preset("tiny-topology"))
     assert "\n" not in str(e.value) and "decode-b128 program does not fit" in str(e.value)
@@ -368,7 +368,7 @@ def test_trn2_fp8_traces_with_a_trn2_kernel_and_needs_the_e4m3_flag(fake_sdk, tm
     float8_e4m3fn and the compiler flag NCC_EVRF051 asks for; without the flag the compiler refuses."""
     lib = _own_library(tmp_path)
     sets = ["target=trn2", f"compile.kernels.decode.library={lib}", f"compile.kernels.tail.library={LIB_F}"]
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets)
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", sets)
     res = compile_build(r, out=tmp_path / "b", quiet=True, require_neff=True)
     _traced(res, r, sets, tmp_path / "b", fake_sdk)
     with pytest.MonkeyPatch.context() as mp:
@@ -382,10 +382,10 @@ def test_the_published_decode_on_trn2_is_refused_before_anything_is_traced(fake_
     trn2 compile stops before the checkout, in one line; so does `gkbuild plan`."""
     with pytest.raises(GkError, match=r"^trn2: the decode-b128 program is refused by nc_matmul_mx: the MX MoE "
                                       r"\(moe_block_tkg_utils.py:parse_moe_block_config\) .* trn2 is NeuronCore-v3"):
-        compile_build(_recipe([]), out=tmp_path / "b", quiet=True, require_neff=True)
-    assert not (tmp_path / "b" / ".gkbuild" / "neuron").exists()  # nothing traced
+        compile_build(_recipe(["target=trn2"]), out=tmp_path / "b", quiet=True, require_neff=True)
+    assert not (tmp_path / "b").exists()  # refused before anything is written
     assert rules.refusal(rules.plan_verdicts(make_plan(_recipe(["target=trn3"]), preset("tiny-topology")))) is None
-    r = run_cli("plan", str(RECIPES / "tiny-topology-trn2.yaml"))
+    r = run_cli("plan", str(RECIPES / "tiny-topology-trn3.yaml"), "--set", "target=trn2")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "refused by nc_matmul_mx" in r.stderr, r.stderr
     # past the rule, the kernel itself refuses on the fake SDK: its MoE's nc_matmul_mx needs NeuronCore-v4
     from gkbuild.compile import stage
@@ -394,7 +394,7 @@ def test_the_published_decode_on_trn2_is_refused_before_anything_is_traced(fake_
         mp.setattr(stage, "_refuse", lambda plan, profile, roots=None: None)
         with pytest.raises(GkError, match=r"^decode-b128: the decode kernel refused its arguments: RuntimeError: "
                                           r"nc_matmul_mx is available only on NeuronCore-v4 and newer; target trn2"):
-            compile_build(_recipe([], libraries=True), out=tmp_path / "c", quiet=True, require_neff=True)
+            compile_build(_recipe(["target=trn2"], libraries=True), out=tmp_path / "c", quiet=True, require_neff=True)
 
 
 def _topo_root():

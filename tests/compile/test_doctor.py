@@ -52,7 +52,7 @@ def _recipe(tmp_path, extra_switch=False):
         shutil.copytree(LIB_A, lib)
         (lib / "src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/_switches.py").open(
             "a").write('\nNEW = bool(os.environ.get("VLLM_NEURON_MEGA_NEW_THING"))\n')
-    text = (RECIPES / "tiny-topology-trn2.yaml").read_text().replace("target: trn2", "target: trn3")
+    text = (RECIPES / "tiny-topology-trn3.yaml").read_text().replace("target: trn2", "target: trn3")
     text += f"compile:\n  kernels:\n    decode: {{library: {lib}}}\n    tail: {{library: {LIB_F}}}\n"
     path = tmp_path / "r.yaml"
     path.write_text(text)
@@ -227,7 +227,7 @@ def test_plan_and_compile_read_the_profile_first(tmp_path):
     assert r.returncode == 1 and len(err) == 1 and "refused by NCC_EOCP001" in err[0], r.stderr
     r = run_cli("plan", recipe, "--json", "--set", f"compile.host_profile={_profile(tmp_path, 'd', **DEFAULT_ANSWERS)}")
     assert [v["status"] for v in json.loads(r.stdout)["verdicts"]] == ["compiles", "compiles"]
-    r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--set", "target=trn3", "--out",
+    r = run_cli("compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--set", "target=trn3", "--out",
                 str(tmp_path / "o"), "-q", "--host-profile", str(tmp_path / "none.json"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "none.json: No such file" in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()

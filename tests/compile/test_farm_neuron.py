@@ -14,7 +14,7 @@ from gkbuild.pipeline.pipeline import compile_build
 from tests.compile.conftest import LIB_A, LIB_F
 from tests.conftest import RECIPES, run_cli
 
-TOPO = RECIPES / "tiny-topology-trn2.yaml"
+TOPO = RECIPES / "tiny-topology-trn3.yaml"
 SETS = ["target=trn3", f"compile.kernels.decode.library={LIB_A}", f"compile.kernels.tail.library={LIB_F}"]
 
 

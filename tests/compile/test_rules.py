@@ -48,13 +48,13 @@ def test_the_matrix_follows_the_documented_rules():
 
 
 def _decode(sets):
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets)
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", sets)
     p = make_plan(r, preset("tiny-topology"))
     return r, signature.neuron_decode(p, 128)
 
 
 def test_each_rule_refuses_what_its_source_says(monkeypatch):
-    r, sig = _decode(["kv_cache.packed=false"])
+    r, sig = _decode(["target=trn2", "kv_cache.packed=false"])
     own = [rules.Decl("float8_e4m3", "k.py:3", None)]  # a trn2 kernel of one's own: no MX MoE
     v = rules.verdict(r, sig, [], own)
     assert (v.status, v.rule) == ("refused", "NCC_EVRF051") and "without --experimental" in v.line
@@ -73,9 +73,10 @@ def test_plan_states_the_verdict_and_refuses_in_one_line():
     assert "NCC_EOCP001" in line and "e4m3_mixing" in line and "_k_update_fp8_packed" in line
     j = json.loads(run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--json").stdout)
     assert [v["rule"] for v in j["verdicts"]] == ["NCC_EOCP001", None]
-    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"))
+    r = run_cli("plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--set", "target=trn2")
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("gkbuild: error")]
     assert r.returncode == 1 and len(err) == 1 and "refused by nc_matmul_mx" in err[0]
+    assert err[0].endswith(rules.TRN3_OR_OWN_KERNEL)  # and what to do instead
 
 
 def test_recipe_doc_prints_the_matrix_citing_each_rule():

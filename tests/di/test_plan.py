@@ -17,7 +17,7 @@ from tests.conftest import RECIPES, run_cli
 def plan_120b():
     """`gkbuild di plan` of the 120b trn2 recipe (TP8 x DP16, stacked packed FP8) and the kv.json
     that recipe's build writes (`gkbuild plan --json` carries the same KvLayout)."""
-    r = run_cli("di", "plan", str(RECIPES / "gpt-oss-120b-trn2.yaml"), "--json")
+    r = run_cli("di", "plan", str(RECIPES / "gpt-oss-120b-trn3.yaml"), "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -33,7 +33,7 @@ def _kv_json(recipe: str, *sets: str) -> dict:
 
 
 def test_the_120b_plan_matches_an_independent_recomputation_from_kv_json(plan_120b):
-    doc = _kv_json("gpt-oss-120b-trn2.yaml")
+    doc = _kv_json("gpt-oss-120b-trn3.yaml")
     plan = plan_120b
     # recomputed here from kv.json's own fields, with none of gkbuild.di's functions
     L, nb, bl, d, it = doc["num_layers"], doc["num_blocks"], doc["block_size"], doc["head_dim"], doc["itemsize"]
@@ -71,7 +71,7 @@ def test_the_120b_plan_matches_an_independent_recomputation_from_kv_json(plan_12
 
 
 def test_the_paired_form_reads_both_layers_of_a_pair_into_one_entry():
-    doc = _kv_json("gpt-oss-120b-trn2.yaml", "kv_cache.form=paired", "kv_cache.num_blocks=29127")
+    doc = _kv_json("gpt-oss-120b-trn3.yaml", "kv_cache.form=paired", "kv_cache.num_blocks=29127")
     plan = di.transfer_plan(doc, 4, 128)
     assert plan["decode"]["entries"] == 18
     reads = plan["ranks"][5]["reads"]
@@ -85,7 +85,7 @@ def test_the_paired_form_reads_both_layers_of_a_pair_into_one_entry():
 
 
 def test_bf16_has_no_conversion_and_twice_the_bytes():
-    doc = _kv_json("gpt-oss-120b-trn2.yaml", "kv_cache.dtype=bf16", "kv_cache.packed=false", "kv_cache.num_blocks=4000")
+    doc = _kv_json("gpt-oss-120b-trn3.yaml", "kv_cache.dtype=bf16", "kv_cache.packed=false", "kv_cache.num_blocks=4000")
     plan = di.transfer_plan(doc, 4, 128)
     assert plan["k_conversion"] is None and plan["decode"]["block_len"] == 16384 == plan["prefill"]["block_len"] // 2
     assert plan["ranks"][3]["reads"][0]["segments"] == [
@@ -106,7 +106,7 @@ def test_heterogeneous_tp_segments(decode_heads, prefill_tp, kv, want):
 
 
 def test_a_prefill_tp_the_heads_do_not_split_over_is_refused():
-    doc = _kv_json("gpt-oss-120b-trn2.yaml")
+    doc = _kv_json("gpt-oss-120b-trn3.yaml")
     with pytest.raises(GkError, match="8 kv heads split over neither 3 prefill ranks"):
         di.transfer_plan(doc, 3, 128)
     bad = dict(doc, kv_heads_of_rank={"0": [0], "1": ["x"]})
@@ -126,7 +126,7 @@ def test_the_swa_window_at_n_minus_1(n, truncate, want):
 
 
 def test_block_pairs_and_descriptors():
-    doc = _kv_json("gpt-oss-120b-trn2.yaml", "kv_cache.num_blocks=100")
+    doc = _kv_json("gpt-oss-120b-trn3.yaml", "kv_cache.num_blocks=100")
     plan = di.transfer_plan(doc, 4, 128)
     n = 300  # N = 301: full blocks 0-2; the window (query 300) attends 173..299: blocks 1-2
     mine = {"full": [7, 8, 9], "swa": {1: 8, 2: 9}}  # stacked: the window's ids are the full ids
@@ -181,7 +181,7 @@ def test_di_plan_prints_a_build_and_refuses_set_on_one(tmp_path):
     from gkbuild.pipeline.pipeline import compile_build
 
     out = tmp_path / "b"
-    compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), out=out, quiet=True, compile=False)
+    compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml"), out=out, quiet=True, compile=False)
     r = run_cli("di", "plan", str(out), "--prefill-tp", "2")
     assert r.returncode == 0, r.stderr
     assert "prefill: TP2, 4 of 8 kv heads a rank" in r.stdout and "SWA N-1 rule (window 8)" in r.stdout

@@ -2,7 +2,7 @@
 prompts' first N-1 positions (the streamed reference, the build's KV format, seed 000's per-buffer
 layout, its regions registered with NIXL), the decode side pulls every block the plan names with
 NIXL READs over UCX/TCP and decodes from position N-1 with the twins, all 128 ranks of
-tiny-topology-trn2 emulated. Both KV forms, FP8 and bf16, at the prompt lengths the SWA N-1 rule
+tiny-topology-trn3 emulated. Both KV forms, FP8 and bf16, at the prompt lengths the SWA N-1 rule
 needs; every fault of the catalogue fails and names its layer; a transfer that errors or times
 out is one line and no decode step runs."""
 
@@ -42,7 +42,7 @@ SOURCE = "synth://tiny-topology?layers=2&seed=0"
 def builds(tmp_path_factory):
     root = tmp_path_factory.mktemp("di")
     for name, sets in BUILDS.items():
-        compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets), out=root / name, quiet=True,
+        compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml", sets), out=root / name, quiet=True,
                       compile=False)
     return {name: root / name for name in BUILDS}
 

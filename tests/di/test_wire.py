@@ -23,7 +23,7 @@ def _plan() -> dict:
     from gkbuild.pipeline.pipeline import layout_docs
     from gkbuild.plan import make_plan
 
-    p = make_plan(recipe.load(RECIPES / "tiny-topology-trn2.yaml"), preset("tiny-topology"))
+    p = make_plan(recipe.load(RECIPES / "tiny-topology-trn3.yaml"), preset("tiny-topology"))
     return di.transfer_plan(json.loads(json.dumps(layout_docs(p)["layout/kv.json"])), 4, 8)
 
 

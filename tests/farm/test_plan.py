@@ -97,7 +97,7 @@ def test_a_cache_entry_that_does_not_match_is_not_counted_as_held(tmp_path):
 
 def test_a_failed_job_is_reported_and_the_farm_exits_1(tmp_path):
     """A trn2 program on a host without the Neuron SDK: the job fails with the reason, in one row."""
-    topo = RECIPES / "tiny-topology-trn2.yaml"
+    topo = RECIPES / "tiny-topology-trn3.yaml"
     r = run_cli("farm", str(topo), "--set", "decode.batch_sizes=[128]", "--cache", str(tmp_path / "c"), "--json")
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "gkbuild: error: farm: 2 of 2 jobs failed"
     rows = json.loads(r.stdout)["jobs"]

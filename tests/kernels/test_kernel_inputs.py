@@ -44,7 +44,7 @@ def session(request, tmp_path_factory):
     # one DP replica of the production TP8 (8 ranks, 8 experts each): the same per-rank shapes
     sets = FORMS[request.param][0] + ["topology={tp: 8, dp: 1, ep: 8, lnc: 1, vtp: 8, hops: [8]}",
                                       "decode.batch_sizes=[8]"]
-    compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets), out=out,
+    compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml", sets), out=out,
                   quiet=True)  # no Neuron SDK here: the NEFFs are skipped, their signatures recorded
     b = Build.open(out)
     s = Session(b, 8, 16)

@@ -41,7 +41,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory):
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml")
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml")
     out = tmp_path_factory.mktemp("build") / "topo"
     res = compile_build(r, out=out, quiet=True, compile=False)
     return r, out, res
@@ -142,7 +142,7 @@ def test_shards_are_the_layout_functions_of_the_source(topo):
     (["decode.embedding=hidden"], ["weights/embed-tp0.safetensors", "weights/embed-tp5.safetensors"]),
 ], ids=["vocab-fused", "hidden"])
 def test_embedding_placements_are_the_layout_functions_of_the_source(tmp_path, sets, paths):
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml", sets)
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", sets)
     out = tmp_path / "b"
     compile_build(r, out=out, quiet=True, compile=False)
     ck = Checkpoint.open(materialize(parse(r.source)))
@@ -170,7 +170,7 @@ def test_shards_open_with_the_official_reader(topo):
 def test_manifest(topo):
     r, out, res = topo
     m = mf.load(out)  # validates against the shipped schema
-    assert m["schema_version"] == 2 and m["target"] == "trn2" and m["topology"]["world_size"] == 128
+    assert m["schema_version"] == 2 and m["target"] == "trn3" and m["topology"]["world_size"] == 128
     assert m["build_id"] == mf.build_id(m)
     assert m["recipe"]["digest"] == r.digest()
     assert m["source"]["kind"] == "synth" and len(m["source"]["files"]) >= 3
@@ -262,14 +262,14 @@ def test_a_tail_option_rebuilds_only_what_depends_on_it(topo, tmp_path):
     b = tmp_path / "b"
     shutil.copytree(out, b)
     before = {p.name: p.stat().st_mtime_ns for p in (b / "weights").iterdir()}
-    r2 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["tail.k=128"])
+    r2 = recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["tail.k=128"])
     res = compile_build(r2, out=b, quiet=True, compile=False)
     st = {s.name: s.status for s in res.stages}
     assert st["shards"] == "cached" and st["layout"] == "ran" and st["manifest"] == "ran"
     assert {p.name: p.stat().st_mtime_ns for p in (b / "weights").iterdir()} == before
     # switching the experts to bf16 (for a kernel of one's own: the published one takes MX tiles)
     # rewrites the 128 expert shards and nothing else
-    r3 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["experts=bf16", f"compile.kernels.decode.library={LIB_A}"])
+    r3 = recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["experts=bf16", f"compile.kernels.decode.library={LIB_A}"])
     res = compile_build(r3, out=b, quiet=True, compile=False)
     assert res.shards_written == 128
     after = {p.name: p.stat().st_mtime_ns for p in (b / "weights").iterdir()}
@@ -282,7 +282,7 @@ def test_a_smaller_topology_removes_the_stale_shards(topo, tmp_path):
     r, out, _ = topo
     b = tmp_path / "b"
     shutil.copytree(out, b)
-    r2 = recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["topology.dp=8", "topology.ep=64", "topology.vtp=64",
+    r2 = recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["topology.dp=8", "topology.ep=64", "topology.vtp=64",
                                                            "topology.hops=[8, 8]", "decode.batch_sizes=[64]"])
     res = compile_build(r2, out=b, quiet=True, compile=False)
     assert res.shards_written == 64 + 64  # new expert and tail splits; tp unchanged: attn and shared kept
@@ -297,12 +297,12 @@ def test_a_placement_change_rewrites_only_the_embedding_or_the_shared_file(topo,
     _, out, _ = topo
     b = tmp_path / "b"
     shutil.copytree(out, b)
-    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", ["decode.embedding=hidden"]), out=b,
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml", ["decode.embedding=hidden"]), out=b,
                         quiet=True, compile=False)
     assert res.shards_written == 8  # embed-tp0..7
     assert not (b / "weights/embed-host.safetensors").exists()
     both = ["decode.embedding=hidden", "decode.rope=fused"]
-    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn2.yaml", both), out=b, quiet=True, compile=False)
+    res = compile_build(recipe.load(RECIPES / "tiny-topology-trn3.yaml", both), out=b, quiet=True, compile=False)
     assert res.shards_written == 1  # shared.safetensors gains inv_freq
     assert run_cli("check", str(b), "-q").returncode == 0
 
@@ -330,7 +330,7 @@ def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
     _, clean, _ = topo
     out = tmp_path / "killed"
     env = dict(os.environ, GKBUILD_SYNC_INTERVAL="0")
-    cmd = [sys.executable, "-m", "gkbuild", "compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out),
+    cmd = [sys.executable, "-m", "gkbuild", "compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--out", str(out),
            "-q", "-j", "1", "--no-compile"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = out / ".gkbuild" / "state.json"
@@ -352,7 +352,7 @@ def test_interrupted_build_resumes_to_the_same_bytes(topo, tmp_path):
     for f in (out / "weights").iterdir():  # a file under its final name is complete
         if not f.name.endswith(".partial"):
             read_header(f)
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml")
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml")
     res = compile_build(r, out=out, quiet=True, compile=False)
     assert 0 < res.shards_written <= 266 - 20  # finished shards were not redone
     assert _tree(out) == _tree(clean)
@@ -389,7 +389,7 @@ def test_one_build_at_a_time(topo):
     fd = os.open(out / ".gkbuild" / "lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out), "-q")
+        r = run_cli("compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--out", str(out), "-q")
         assert r.returncode == 1 and "another gkbuild compile is writing" in r.stderr
     finally:
         os.close(fd)
@@ -397,7 +397,7 @@ def test_one_build_at_a_time(topo):
 
 def test_cli_json_summary_and_inspect(topo):
     _, out, _ = topo
-    r = run_cli("compile", str(RECIPES / "tiny-topology-trn2.yaml"), "--out", str(out), "--json", "--no-compile")
+    r = run_cli("compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--out", str(out), "--json", "--no-compile")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["did_work"] is False and s["ranks"] == 128 and s["compile"].startswith("skipped")

@@ -28,7 +28,7 @@ class Counting(Checkpoint):
 
 
 def test_each_tp_rank_reads_only_its_heads(topo_ckpt, tmp_path):
-    r = recipe.load(RECIPES / "tiny-topology-trn2.yaml")
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml")
     ck = Counting(Checkpoint.open(topo_ckpt))
     plan = make_plan(r, ck.config)
     d = plan.dims

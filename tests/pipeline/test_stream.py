@@ -27,7 +27,7 @@ from gkbuild.pipeline.stream import DiskWatch, stream_build
 from tests.conftest import RECIPES, run_cli
 from tests.s3server import moto_server
 
-RECIPE = RECIPES / "tiny-topology-trn2.yaml"
+RECIPE = RECIPES / "tiny-topology-trn3.yaml"
 SOURCE = "source=s3://src/ckpt"
 LIMIT = 24 << 20
 

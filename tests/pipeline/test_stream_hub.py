@@ -28,7 +28,7 @@ from tests.conftest import RECIPES, ROOT, run_cli
 from tests.publish.fake_hub import FakeHub, upload_mode
 
 
-TOPO = RECIPES / "tiny-topology-trn2.yaml"
+TOPO = RECIPES / "tiny-topology-trn3.yaml"
 
 
 def hub_with(root, repo: str, branch: str = "trn2") -> FakeHub:
