@@ -387,11 +387,12 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
       gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
     """
     from .checkpoint.source import materialize, model_config, parse
-    from .golden import default_prompts, for_checkpoint
+    from .golden import default_prompts, for_checkpoint, replaceable
     from .reference import KvFormat, check_size
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
+    replaceable(out_file)  # before minutes of compute
     given = _text_prompts(spec, texts, chat, prompt_ids)
     cfg = model_config(spec)
     vocab = cfg.V
@@ -757,7 +758,9 @@ def cache_ls(store, as_json):
     from .publish.stores import open_store
     from .summary import human_bytes
 
-    es = entries(open_store(store))
+    st = open_store(store)
+    st.require()
+    es = entries(st)
     if as_json:
         click.echo(json.dumps(es, indent=1))
         return
@@ -822,6 +825,7 @@ def leases(store, names, as_json):
     from .publish.stores import open_store
 
     st = open_store(store)
+    st.require()
     if names:
         for n in ls.clear(st, list(names)):
             note(f"removed {n}", as_json)
