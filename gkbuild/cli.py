@@ -811,14 +811,18 @@ def cache_prune(store, keep):
 @cli.command(help=f"""The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
     holds one, and while one is live `publish --prune` and `cache prune` delete no blob. A lease
     counts until its expiry, and never longer than {(TTL + SKEW) / 60:.0f} minutes after the store
-    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
-    one now: only when its publish is known to be dead (its blobs would be pruned under it).""")
+    last wrote it (a malformed one, or one dated far ahead, stops blocking then), and not at all
+    once its process is gone, when it was written on this host. --clear removes one now: only when
+    its publish is known to be dead (its blobs would be pruned under it); the lease of a publish
+    running on this host needs --force.""")
 @click.argument("store", metavar="STORE")
 @click.option("--clear", "names", multiple=True, metavar="LEASE",
               help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
                    "one that still blocks prunes.")
+@click.option("--force", is_flag=True, help="With --clear: remove a lease even though its publish runs now on "
+                                            "this host (a prune may then delete the blobs it has sent).")
 @click.option("--json", "as_json", is_flag=True, help="Print the leases as JSON.")
-def leases(store, names, as_json):
+def leases(store, names, force, as_json):
     import time
 
     from .publish import leases as ls
@@ -827,7 +831,7 @@ def leases(store, names, as_json):
     st = open_store(store)
     st.require()
     if names:
-        for n in ls.clear(st, list(names)):
+        for n in ls.clear(st, list(names), force):
             note(f"removed {n}", as_json)
     now = time.time()
     held = ls.leases(st)

@@ -195,3 +195,69 @@ def test_of_two_publishes_to_one_folder_the_second_to_commit_is_refused_and_a_re
     said = " ".join(r.stderr.split())
     assert r.returncode == 0 and f"it replaces build 'tiny-cpu' {mf.load(built)['build_id'][:16]} " in said
     assert json.loads((s / index.NAME).read_text())["build_id"] == mf.load(build)["build_id"]
+
+
+def _lease_of_this_host(s, owner: str, pid: int) -> "os.PathLike":
+    import socket
+
+    from gkbuild.publish.leases import boot_id
+
+    p = s / "leases" / f"{owner * 32}.json"
+    p.write_text(json.dumps({"owner": owner * 32, "host": socket.gethostname(), "boot": boot_id(), "pid": pid,
+                             "expires": time.time() + 600}))
+    return p
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_clearing_the_lease_of_a_publish_running_on_this_host_needs_force(build, tmp_path):
+    s = tmp_path / "s"
+    publish(build, str(s), quiet=True)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as running:
+        try:
+            lease = _lease_of_this_host(s, "c", running.pid)
+            r = run_cli("leases", str(s), "--clear", f"leases/{lease.name}")
+            assert r.returncode == 1 and r.stderr.count("\n") == 1 and "running now on this host" in r.stderr
+            assert "--force" in r.stderr and lease.exists()
+            r = run_cli("leases", str(s), "--clear", f"leases/{lease.name}", "--force")
+            assert r.returncode == 0 and not lease.exists(), r.stderr
+        finally:
+            running.kill()
+
+
+def test_a_rerun_on_this_host_reclaims_a_dead_publishs_lease_and_partials(build, tmp_path):
+    """A killed publish (or streamed build) of this host leaves its lease, unexpired, and blob
+    temporaries: the next successful publish there removes both (its process is gone), and a prune
+    is not blocked by it."""
+    s = tmp_path / "s"
+    publish(build, str(s), quiet=True)
+    pid = _dead_pid()
+    lease = _lease_of_this_host(s, "d", pid)
+    torn = s / "blobs" / f".{'d' * 64}.zst.{pid}.partial"
+    torn.write_text("torn")
+    rep = publish(build, str(s), quiet=True)  # the store holds the build already
+    assert rep["already"] and rep["tidied"] == 2 and not lease.exists() and not torn.exists()
+    assert os.listdir(s / "leases") == []
+    lease = _lease_of_this_host(s, "e", _dead_pid())
+    assert "expires in" in run_cli("leases", str(s)).stderr  # listed, but judged dead by a prune:
+    orphan = s / "blobs" / f"{'0' * 64}.raw"
+    orphan.write_text("old")
+    rep = publish(build, str(s), prune=True, quiet=True)
+    assert rep["pruned"] == 1 and not orphan.exists() and not lease.exists()
+
+
+def test_publish_prune_prunes_when_the_store_already_holds_the_build(build, tmp_path):
+    """It used to return before pruning: junk blobs and dead temporaries stayed, rc 0, nothing said."""
+    s = tmp_path / "s"
+    publish(build, str(s), quiet=True)
+    junk = s / "blobs" / f"{'1' * 64}.zst"
+    junk.write_text("junk")
+    torn = s / "blobs" / f".{'2' * 64}.raw.{_dead_pid()}.partial"
+    torn.write_text("torn")
+    rep = publish(build, str(s), prune=True, quiet=True)
+    assert rep["already"] and rep["pruned"] == 2 and not junk.exists() and not torn.exists()
+    assert {f"blobs/{n}" for n in os.listdir(s / "blobs")} == index.blobs(json.loads((s / index.NAME).read_text()))
