@@ -3,7 +3,6 @@ publishes' temporaries, oversized indexes."""
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -67,28 +66,44 @@ def test_a_foreign_file_in_place_is_named_and_kept(store, tmp_path):
     assert r.returncode == 1 and "f: exists and is not a folder" in r.stderr and (tmp_path / "f").read_text() == "x"
 
 
-@pytest.mark.slow
-def test_a_fetch_killed_at_random_moments_always_resumes(store, tmp_path):
-    rng = random.Random(7)
-    t0 = time.monotonic()  # how long a fetch takes on this machine now: the kills spread over it
-    assert subprocess.run([sys.executable, "-m", "gkbuild", "fetch", str(store), "--to", str(tmp_path / "timed"), "-q"],
-                          capture_output=True).returncode == 0
-    took = time.monotonic() - t0
-    landed = 0
-    for i in range(10):
-        dest = tmp_path / f"d{i}"
-        cmd = [sys.executable, "-m", "gkbuild", "fetch", str(store), "--to", str(dest), "-q"]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(took * (0.05 + 0.09 * (i + rng.random())))
-        landed += p.poll() is None
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if (dest / mf.NAME).exists():
-            assert problems(dest) == []
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        assert r.returncode == 0, f"kill {i}: {r.stderr}"
-        assert problems(dest) == []
-    assert landed >= 5, f"only {landed} of 10 kills landed while the fetch ran"
+@pytest.fixture(scope="module")
+def signed_store(built, tmp_path_factory):
+    """The tiny build published signed: a fetch writes its signature and provenance last, beside the manifest."""
+    import shutil
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    d = tmp_path_factory.mktemp("signed")
+    key = d / "ci.pem"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    b = d / "b"
+    shutil.copytree(built, b)
+    publish(b, str(d / "s"), quiet=True, sign=str(key))
+    return d / "s"
+
+
+def test_a_fetch_killed_inside_any_write_always_resumes(signed_store, tmp_path):
+    """Killed just before each kind of rename into place (a file, its record, the signature, the
+    provenance, the manifest last): the rerun finishes, and the build checks. It used to refuse for
+    ever after a kill inside the manifest's own write (``.manifest.json.<pid>.partial``)."""
+    def fetch_killed_at(k: int, dest):
+        return subprocess.run([sys.executable, "-m", "tests.publish.killed_at", str(k), "fetch", str(signed_store),
+                               "--to", str(dest), "-q"], capture_output=True, text=True)
+
+    counted = fetch_killed_at(0, tmp_path / "count")
+    assert counted.returncode == 0, counted.stderr
+    n = int(counted.stderr.split("renames ")[-1])
+    assert n > 8  # every file, each record write, signature, provenance and manifest
+    for k in sorted({1, 2, 3, n // 2, n - 3, n - 2, n - 1, n}):
+        dest = tmp_path / f"d{k}"
+        killed = fetch_killed_at(k, dest)
+        assert killed.returncode == -signal.SIGKILL, (k, killed.stderr)
+        assert not (dest / mf.NAME).exists()  # the manifest is the last thing to land
+        r = run_cli("fetch", str(signed_store), "--to", str(dest), "-q")
+        assert r.returncode == 0, f"killed at rename {k} of {n}: {r.stderr}"
+        assert problems(dest) == [] and not [p for p in dest.rglob("*.partial")]
 
 
 def test_a_rotten_blob_is_not_trusted_and_republishing_repairs_it(built, tmp_path):
