@@ -17,6 +17,7 @@ from .farm import MAX_PLANS
 from .progress import bar, note
 from .publish.codec import LEVEL as ZSTD_LEVEL
 from .publish.leases import SKEW, TTL
+from .units import parse_size
 
 out = Console()
 if not out.is_terminal:  # piped or captured: tables keep their columns instead of wrapping at 80
@@ -27,17 +28,6 @@ def _cell(text) -> str:
     """A table cell of text a file, a store or a peer supplied: shown as it is (no rich markup, no
     control characters obeyed)."""
     return escape(printable(str(text)))
-
-
-def _parse_size(text: str, option: str = "--max-shard-size") -> int:
-    units = {"": 1, "b": 1, **{f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("kmg")
-                                for suffix in ("", "b", "ib")}}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise GkError(f"{option}: {text!r} is not a size like 4GB or 512MB") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -78,7 +68,7 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
     if layers is not None:
         cfg = cfg.with_layers(layers)
     with bar(f"synth {preset}", total_bytes(cfg), quiet) as advance:
-        synthesize(cfg, out_dir, seed=seed, max_shard_bytes=_parse_size(max_shard_size), force=force,
+        synthesize(cfg, out_dir, seed=seed, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), force=force,
                    advance=advance)
     note(f"wrote {out_dir} ({preset}, {cfg.L} layers, seed {seed})", quiet)
 
@@ -252,7 +242,9 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         raise GkError("--cache-push: give the store with --cache STORE (or GKBUILD_COMPILE_CACHE)")
     r = load(recipe_path, overrides)
     if host_profile is not None:
-        r.compile.host_profile = str(host_profile.resolve())
+        from .paths import resolved
+
+        r.compile.host_profile = str(resolved(host_profile, "--host-profile"))
     if r.compile.host_profile:  # checked before anything is written
         from .compile import hostprofile
 
@@ -273,7 +265,7 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
         if out_dir is not None:
             raise GkError("--out and --to: a streamed build writes into the store, not a folder; give one of them")
         parse_executor(executor)
-        res = stream_build(r, to, _parse_size(scratch_limit, "--scratch-limit"),
+        res = stream_build(r, to, parse_size(scratch_limit, "--scratch-limit"),
                            executor, jobs=jobs, force=force, quiet=quiet or as_json, compile=not no_compile,
                            require_neff=require_neff, cache=cache or None, cache_push=cache_push, sign=sign)
     if as_json:
@@ -395,11 +387,12 @@ def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len,
       gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
     """
     from .checkpoint.source import model_config, open_source, parse
-    from .golden import default_prompts, for_checkpoint
+    from .golden import default_prompts, for_checkpoint, replaceable
     from .reference import KvFormat, check_size
 
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
+    replaceable(out_file)  # before minutes of compute
     given = _text_prompts(spec, texts, chat, prompt_ids)
     cfg = model_config(spec)
     vocab = cfg.V
@@ -809,7 +802,9 @@ def cache_ls(store, as_json):
     from .publish.stores import open_store
     from .summary import human_bytes
 
-    es = entries(open_store(store))
+    st = open_store(store)
+    st.require()
+    es = entries(st)
     if as_json:
         click.echo(json.dumps(es, indent=1))
         return
@@ -860,22 +855,27 @@ def cache_prune(store, keep):
 @cli.command(help=f"""The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
     holds one, and while one is live `publish --prune` and `cache prune` delete no blob. A lease
     counts until its expiry, and never longer than {(TTL + SKEW) / 60:.0f} minutes after the store
-    last wrote it (a malformed one, or one dated far ahead, stops blocking then). --clear removes
-    one now: only when its publish is known to be dead (its blobs would be pruned under it).""")
+    last wrote it (a malformed one, or one dated far ahead, stops blocking then), and not at all
+    once its process is gone, when it was written on this host. --clear removes one now: only when
+    its publish is known to be dead (its blobs would be pruned under it); the lease of a publish
+    running on this host needs --force.""")
 @click.argument("store", metavar="STORE")
 @click.option("--clear", "names", multiple=True, metavar="LEASE",
               help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
                    "one that still blocks prunes.")
+@click.option("--force", is_flag=True, help="With --clear: remove a lease even though its publish runs now on "
+                                            "this host (a prune may then delete the blobs it has sent).")
 @click.option("--json", "as_json", is_flag=True, help="Print the leases as JSON.")
-def leases(store, names, as_json):
+def leases(store, names, force, as_json):
     import time
 
     from .publish import leases as ls
     from .publish.stores import open_store
 
     st = open_store(store)
+    st.require()
     if names:
-        for n in ls.clear(st, list(names)):
+        for n in ls.clear(st, list(names), force):
             note(f"removed {n}", as_json)
     now = time.time()
     held = ls.leases(st)
@@ -1048,7 +1048,7 @@ def doctor(target, kernels_recipe, report_dir, as_json):
     device when one is present, else trace-only. Needs the Neuron SDK."""
     from .compile import doctor as dr
 
-    rep = dr.run(target, kernels_recipe, quiet=as_json)
+    rep = dr.run(target, kernels_recipe, quiet=as_json, report=report_dir)
     if report_dir is not None:
         dr.write(rep, report_dir)
     if as_json:

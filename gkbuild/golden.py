@@ -83,8 +83,11 @@ class Golden:
         from .checkpoint.safetensors_io import fsync_dir
 
         path = Path(path)
+        replaceable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")
+        if os.path.islink(tmp) or (os.path.lexists(tmp) and not tmp.is_file()):
+            raise GkError(f"{tmp}: in the way of the golden's temporary (a link or not a file); refused")
         meta = {"format": FORMAT, "prompt_lens": json.dumps(self.prompt_lens),
                 "meta": json.dumps(self.meta, sort_keys=True)}
         save_file({k: getattr(self, k).contiguous() for k in TENSORS}, str(tmp), metadata=meta)
@@ -149,6 +152,24 @@ class Golden:
                                   or not all(isinstance(x, str) for x in texts)):
             return f"golden prompt texts are not {P} strings"
         return None
+
+
+def replaceable(path: Path) -> None:
+    """``--out`` must be new or a golden gkbuild wrote (of any format): never a link, never
+    someone else's file. Checked before the golden is computed, and again as it is saved."""
+    from .checkpoint.safetensors_io import read_header
+
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not path.is_file():
+        raise GkError(f"{path}: exists and is a link or not a file; give a new file or a golden gkbuild wrote")
+    try:
+        fmt = read_header(path).metadata.get("format", "")
+    except GkError:
+        fmt = ""
+    if fmt != FORMAT and fmt not in OLDER:
+        raise GkError(f"{path}: exists and is not a gkbuild golden; refusing to overwrite it")
 
 
 def _values_problem(h, t: dict) -> str | None:

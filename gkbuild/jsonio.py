@@ -6,13 +6,15 @@ way any input file is opened: recipes, safetensors files, goldens, tokenizer fil
 Such a file is data from a disk or a store, possibly hostile: it is opened without blocking and
 only read if it is a regular file (a FIFO would hold ``open()`` forever), its size is bounded before
 it is read, its nesting before anything walks it (``[[[[...`` 200,000 deep would otherwise end in a
-RecursionError traceback here or in whatever recurses over it later), and it is strict JSON (no
-NaN or Infinity, no number that overflows to one such as ``1e400``, no key twice in an object).
+RecursionError traceback here or in whatever recurses over it later), and it is strict JSON (UTF-8
+without a byte order mark, no NaN or Infinity, no number that overflows to one such as ``1e400``, no
+key twice in an object).
 Every failure is one ``BadJson`` line naming the file.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -68,6 +70,13 @@ def loads(data: bytes | str, where: str, limit: int | None = None):
     """Parse ``data``: at most ``limit`` bytes, nested at most MAX_DEPTH deep, strict."""
     if limit is not None and len(data) > limit:
         raise BadJson(f"{where}: over {limit} bytes; refused unread")
+    if isinstance(data, (bytes, bytearray)):  # json.loads would guess UTF-16/32 and skip a BOM: strict is UTF-8
+        if data.startswith(codecs.BOM_UTF8):
+            raise BadJson(f"{where}: not UTF-8 JSON (starts with a byte order mark); refused")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadJson(f"{where}: not UTF-8 JSON (byte {e.start}); refused") from None
     try:
         obj = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite, object_pairs_hook=_unique)
     except RecursionError:

@@ -32,6 +32,17 @@ def confined(path: object, where: str) -> str:
     return path
 
 
+def resolved(path: os.PathLike | str, what: str) -> Path:
+    """``path`` absolute, its links followed; a symlink loop on the way (``Path.resolve`` raises
+    RuntimeError on one before Python 3.13) or a link that cannot be followed is one line naming
+    ``what`` (the option or key it came from)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError):
+        raise GkError(f"{what} {path}: a symlink loop (a link that leads back to itself); give a real "
+                      f"path") from None
+
+
 def inside(root: Path, rel: str) -> Path:
     """``root/rel`` for a confined ``rel``, refusing if a folder on the way is a symlink or not a
     folder, or the file itself is a symlink (nothing is written or deleted through a link).
@@ -84,7 +95,8 @@ def claim(folder: Path) -> None:
     folder = Path(folder)
     if os.path.lexists(folder) and not folder.is_dir():
         raise GkError(f"{folder}: exists and is not a folder; give a new, empty or build folder as the output")
-    if folder.resolve() == Path(folder.resolve().anchor):
+    real = resolved(folder, "output folder")
+    if real == Path(real.anchor):
         raise GkError(f"{folder}: refusing to build into the file system root")
     if folder.exists() and not marked(folder):
         first = next((e.name for e in sorted(os.scandir(folder), key=lambda e: e.name)), None)

@@ -3,6 +3,7 @@ nothing half-written."""
 
 import errno
 import os
+import re
 
 import pytest
 
@@ -142,3 +143,79 @@ def test_a_full_disk_in_publish_and_fetch_names_the_file(built, tmp_path, monkey
     assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
     named = f"{store}/blobs/" if command == "publish" else f"{dest}/"
     assert err.startswith(f"gkbuild: error: {named}") and err.strip().endswith(": No space left on device")
+
+
+LOOP = "LOOP"  # a symlink to itself, given where each command takes a path
+PATH_OPTIONS = [
+    ["compile", "R", "--host-profile", LOOP, "-q"], ["compile", "R", "--out", LOOP, "-q", "--no-compile"],
+    ["compile", "R", "--to", LOOP, "-q", "--no-compile"], ["compile", LOOP, "-q"], ["compile", "SRC", "-q", "--no-compile"],
+    ["compile", "R", "--out", f"{LOOP}/b", "-q", "--no-compile"], ["plan", LOOP], ["plan", "SRC"],
+    ["inspect", LOOP], ["check", LOOP, "-q"], ["synth", "tiny", "--out", LOOP, "-q"],
+    ["publish", LOOP, "--to", "S", "-q"], ["publish", "B", "--to", LOOP, "-q"], ["publish", "B", "--to", "S", "--sign", LOOP, "-q"],
+    ["fetch", LOOP, "--to", "D", "-q"], ["fetch", "S", "--to", LOOP, "-q"], ["fetch", "S", "--to", f"{LOOP}/d", "-q"],
+    ["verify", LOOP, "-q"], ["verify", "B", "--golden", LOOP, "-q"], ["verify", "B", "--report", LOOP, "-q", "--steps", "1"],
+    ["verify-signature", LOOP, "--trust", LOOP], ["diff", LOOP, "B"], ["leases", LOOP], ["leases", LOOP, "--clear", f"leases/{'0' * 32}.json"],
+    ["cache", "ls", LOOP], ["cache", "push", LOOP, "B"], ["cache", "push", "S", LOOP], ["cache", "prune", "S", "--keep", LOOP],
+    ["di", "plan", LOOP], ["doctor", "--report", LOOP], ["farm", LOOP, "--cache", "S", "--list"],
+    ["golden", LOOP, "--out", "g", "-q"], ["golden", "synth://tiny", "--out", LOOP, "-q", "--steps", "0"],
+]
+
+# Where another one line comes first, rightly: a build with nothing compiled to push; doctor without the SDK.
+OTHER_FIRST = [["cache", "push", LOOP, "B"], ["doctor", "--report", LOOP]]
+
+
+@pytest.mark.parametrize("args", PATH_OPTIONS, ids=[" ".join(a) for a in PATH_OPTIONS])
+def test_a_symlink_loop_as_any_path_is_one_line(args, built, tmp_path, monkeypatch, capsys):
+    """Every path a command takes, given as a symlink loop (or through one): one line, rc 1, nothing
+    written, never a traceback (Path.resolve raises RuntimeError on a loop; stat, OSError)."""
+    from gkbuild.publish.publish import publish
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    store = tmp_path / "store"
+    publish(built, str(store), quiet=True)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES / "tiny-cpu.yaml").read_text() + f"\noutput: {tmp_path / 'out'}\n")
+    src = tmp_path / "src.yaml"
+    src.write_text(re.sub(r"(?m)^source: .*$", f"source: {loop}", (RECIPES / "tiny-cpu.yaml").read_text())
+                   + f"\noutput: {tmp_path / 'out'}\n")
+    assert f"source: {loop}" in src.read_text()
+    names = {LOOP: str(loop), "R": str(recipe), "SRC": str(src), "S": str(store), "B": str(built), "D": str(tmp_path / "d")}
+    argv = [a.replace(LOOP, str(loop)) if a.startswith(LOOP) else names.get(a, a) for a in args]
+    monkeypatch.setenv("GKBUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("gkbuild: error:")]
+    assert e.value.code == 1 and len(lines) == 1, err
+    if args not in OTHER_FIRST:
+        assert "loop" in lines[0] or "Too many levels of symbolic links" in lines[0] or "link" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == [n for n in before if n != "cache"]
+
+
+def test_golden_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
+    """--out at someone's file: refused before the golden is computed, the file untouched; a golden
+    gkbuild wrote is replaced."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["golden", "synth://tiny", "--out", str(mine), "-q", "--steps", "1", "--prompts", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "is not a gkbuild golden" in err, err
+    assert mine.read_text() == "mine"
+    g = tmp_path / "g.safetensors"
+    for _ in range(2):
+        cli.main(["golden", "synth://tiny", "--out", str(g), "-q", "--steps", "1", "--prompts", "1"])
+    assert g.stat().st_size > 0 and sorted(p.name for p in tmp_path.iterdir()) == ["g.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("command", [["leases"], ["cache", "ls"]])
+def test_a_store_that_is_not_there_is_said_so(command, tmp_path, capsys):
+    """`leases` of a missing store used to say "no leases", rc 0; `cache ls`, 0 programs."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "no store there" in err, err

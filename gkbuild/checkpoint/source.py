@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl, urlparse
 
 from ..errors import GkError
 from ..model import GptOssConfig, preset
-from ..paths import file_lock
+from ..paths import file_lock, resolved
 from ..progress import Advance
 
 SYNTH_KEYS = ("layers", "seed")
@@ -83,7 +83,7 @@ def parse(text: str, base: Path | None = None, key: str = "source") -> SourceSpe
     p = Path(text).expanduser()
     if not p.is_absolute() and base is not None:
         p = base / p
-    return SourceSpec("dir", text, path=str(p.resolve()))
+    return SourceSpec("dir", text, path=str(resolved(p, key)))
 
 
 def cache_root() -> Path:

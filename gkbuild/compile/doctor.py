@@ -188,13 +188,16 @@ def _switches(recipe_path: Path | None) -> dict:
                                                  "on the reference path and shown as numerics 'unknown'")
 
 
-def run(target: str, kernels: Path | None = None, quiet: bool = False) -> dict:
-    """The doctor report: the host, every item, and the profile."""
+def run(target: str, kernels: Path | None = None, quiet: bool = False, report: Path | None = None) -> dict:
+    """The doctor report: the host, every item, and the profile (``report``: the folder it will be
+    written to, checked first)."""
     from ..progress import note
 
     why = neuron.sdk()
     if why:
         raise GkError(f"gkbuild doctor: {why}; run it on a Trainium host (pip install 'gkbuild[neuron]')")
+    if report is not None:
+        report_folder(report)
     with tempfile.TemporaryDirectory(prefix="gkbuild-doctor-") as tmp:
         note(f"doctor: compiling the probe kernels for {target} (each a neuronx-cc compile)", quiet)
         res = _probe(target, Path(tmp) / "a", {})
@@ -211,6 +214,9 @@ def run(target: str, kernels: Path | None = None, quiet: bool = False) -> dict:
         item, answer = fn()
         items.append(item)
         profile[item["id"]] = answer
+    if all(v is None for v in profile.values()):  # not one probe compiled: the SDK is broken, not undecided
+        raise GkError(f"gkbuild doctor: no probe compiled, so nothing is answered: {res['dtypes']['error']}; "
+                      f"check the Neuron SDK installation")
     items.append(_switches(kernels))
     return {"format": hostprofile.FORMAT, "target": target,
             "sdk": {n: _version(n) for n in VERSIONS}, "instance": _instance(),
@@ -235,12 +241,20 @@ def page(rep: dict) -> str:
             f"<h2>host profile</h2><pre>{e(json.dumps(rep['profile'], indent=1))}</pre></body></html>\n")
 
 
+def report_folder(out: Path) -> Path:
+    """``--report``'s folder: one that is there, or that can be made (not a file, not a dangling link)."""
+    out = Path(out)
+    if os.path.islink(out) and not out.exists():
+        raise GkError(f"--report {out}: a symlink to {os.readlink(out)}, which does not exist; give a folder")
+    if os.path.lexists(out) and not out.is_dir():
+        raise GkError(f"--report {out}: not a folder")
+    return out
+
+
 def write(rep: dict, out: Path) -> list[Path]:
     from ..pipeline.state import write_bytes_atomic
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise GkError(f"--report {out}: not a folder")
+    out = report_folder(out)
     write_bytes_atomic(out / "doctor.json", (json.dumps(rep, indent=1) + "\n").encode())
     write_bytes_atomic(out / "doctor.html", page(rep).encode())
     return [out / "doctor.json", out / "doctor.html"]

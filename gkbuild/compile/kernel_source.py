@@ -132,7 +132,8 @@ def checkout(src: KernelSource, cache: Path) -> Path:
     commit; written beside its final name and renamed, so a killed clone never looks complete."""
     if src.kind == "path":
         if not src.path.is_dir():
-            raise GkError(f"kernel library: {src.path}: no such folder")
+            there = os.path.lexists(src.path)
+            raise GkError(f"kernel library: {src.path}: {'not a folder' if there else 'no such folder'}")
         return src.path
     name = f"{hashlib.sha256(src.url.encode()).hexdigest()[:16]}-{src.commit}"
     final = Path(cache) / "kernels" / name

@@ -108,9 +108,29 @@ def run(spec: dict) -> dict:
     return res
 
 
+def sdk_imports() -> str | None:
+    """Why the Neuron SDK, found on the path, does not import (a missing shared library, a
+    mismatched torch), or None: found is not working, and every probe would fail alike."""
+    import importlib
+
+    from .neuron import SDK_MODULES
+
+    for m in SDK_MODULES:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - whatever the SDK raises on import, in one line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return f"the Neuron SDK does not import ({m}: {type(e).__name__}: {msg[:300]})"
+    return None
+
+
 def main(argv: list[str]) -> int:
     from gkbuild.jsonio import read
 
+    why = sdk_imports()
+    if why:
+        print(why, file=sys.stderr)
+        return 1
     spec = read(argv[0], 1 << 20)
     Path(spec["out"]).write_text(json.dumps(run(spec), indent=1))
     return 0

@@ -15,6 +15,7 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import GkError
 from . import interface, kernel_source
 
 NEURONCORE = {"trn1": 2, "trn2": 3, "trn3": 4}  # NeuronCore-v2 / v3 / v4
@@ -144,6 +145,9 @@ def declarations(root: Path, entry: str) -> list[Decl]:
     function."""
     roots = [Path(p) for p in kernel_source.import_roots(Path(root))]
     todo, seen, out = [entry.partition(":")[0]], set(), []
+    if _module_file(roots, todo[0]) is None:  # nothing read is no verdict: the trace could not import it either
+        raise GkError(f"kernel library {root}: the entry {entry}'s module is not a file there (looked under "
+                      f"{', '.join(str(r) for r in roots)}); the compile could not import it")
     while todo:
         mod = todo.pop()
         path = _module_file(roots, mod)
@@ -176,8 +180,9 @@ def kernel_declarations(recipe, program: str = "decode", root: Path | None = Non
     if root is None:
         src = kernel_source.parse(library, recipe.path.parent if recipe.path else None,
                                   f"compile.kernels.{program}.library")
-        if src.kind == "path" and src.path.is_dir():
-            root = src.path
+        if src.kind == "path":  # the compile's own checks of a folder, so plan says what the compile will
+            root = kernel_source.checkout(src, None)
+            interface.scan_switches(root)  # every module read, bounded, as the compile reads them
     return declarations(root, entry) if root is not None else published(library, program)
 
 
@@ -285,7 +290,6 @@ def matrix(profile: dict | None = None) -> list[dict]:
     import copy
 
     from .. import recipe as rc
-    from ..errors import GkError
     from ..model import preset
     from ..plan import make_plan
     from .neuron import flags

@@ -28,7 +28,7 @@ from ..errors import GkError
 from ..layout import LAYOUT_VERSION
 from ..layout.tail import owned_rows
 from ..model import GptOssConfig
-from ..paths import claim, file_lock, inside, our_temporaries
+from ..paths import claim, file_lock, inside, our_temporaries, resolved
 from ..plan import Plan, ShardFile, make_plan
 from ..progress import Progress
 from ..recipe import Recipe
@@ -487,7 +487,7 @@ class _Build:
 
 
 def refuse_overlap(out: Path, source: Path) -> None:
-    src, dst = Path(source).resolve(), Path(out).resolve()
+    src, dst = resolved(source, "source"), resolved(out, "output folder")
     if dst == src or src in dst.parents or dst in src.parents:
         raise GkError(f"{out}: the output folder and the source checkpoint {source} overlap; build into a "
                       f"folder outside the checkpoint")

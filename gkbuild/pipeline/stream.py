@@ -37,7 +37,7 @@ from pathlib import Path
 from .. import __version__
 from ..checkpoint.source import cache_root
 from ..errors import GkError
-from ..paths import STATE_DIR, claim, inside
+from ..paths import STATE_DIR, claim, inside, resolved
 from ..plan import ShardFile
 from ..progress import Progress
 from ..publish.leases import Lease
@@ -410,7 +410,7 @@ def stream_build(recipe: Recipe, to: str, scratch_limit: int = DEFAULT_SCRATCH, 
     t0 = time.perf_counter()
     store = open_store(to, api=api, fs=fs)
     if isinstance(store, DirStore):  # workers elsewhere (Ray) open it by an absolute path
-        store = open_store(str(Path(to).resolve()))
+        store = open_store(str(resolved(to, "--to")))
     hub = isinstance(store, HubStore)
     if hub:
         store.check_stream()  # a token, the repo and the branch, before any work

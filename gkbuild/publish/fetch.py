@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -134,6 +135,18 @@ class _Record:
             write_json_atomic(self.path, {"build_id": self.build_id, "files": self.files})
 
 
+def _own_leftovers(dest: Path) -> list[Path]:
+    """What a fetch killed mid-write leaves: the temporary of its record, or of the manifest, the
+    signature or the provenance it writes last (``write_bytes_atomic``'s ``.NAME.<pid>.partial``).
+    Only regular files of exactly those names: nothing else is ever removed."""
+    found = []
+    for folder, names in ((dest / STATE_DIR, [Path(RECORD).name]), (dest, [mf.NAME, SIGNATURE, PROVENANCE])):
+        for name in names:
+            found += [p for p in folder.glob(f".{name}.*.partial") if re.fullmatch(r"[0-9]+", p.name[len(name) + 2:-8])
+                      and p.is_file() and not p.is_symlink()] if folder.is_dir() else []
+    return found
+
+
 def _prepare(dest: Path, m: dict, record: _Record) -> None:
     """Refuse a folder that holds another build or files this fetch cannot vouch for; drop files an
     earlier, interrupted fetch of another build verified that this build does not have. A file in
@@ -180,9 +193,8 @@ def fetch(src: str, dest: Path, expect: str | None = None, jobs: int | None = No
         report["already"] = True
         return report
     inside(dest, f"{STATE_DIR}/fetch/x")  # the staging folder is not reached through a symlink either
-    for p in (dest / STATE_DIR).glob(".fetch.json.*.partial") if (dest / STATE_DIR).is_dir() else []:
-        if p.is_file() and not p.is_symlink():  # a fetch killed while it recorded a file
-            p.unlink()
+    for p in _own_leftovers(dest):
+        p.unlink()
     record = _Record(dest, m["build_id"])
     _prepare(dest, m, record)
     staging = dest / STATE_DIR / "fetch"

@@ -46,7 +46,8 @@ class Lease:
 
     def _put(self, create: bool) -> None:
         self.expires = time.time() + self.ttl
-        doc = {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "expires": self.expires}
+        doc = {"owner": self.owner, "host": socket.gethostname(), "boot": boot_id(), "pid": os.getpid(),
+               "expires": self.expires}
         self.store.put(self.name, json.dumps(doc).encode(), create=create)
 
     def renew(self) -> None:
@@ -63,6 +64,26 @@ class Lease:
             self.store.delete([self.name])
 
 
+def boot_id() -> str | None:
+    """This machine's current boot (Linux): with the host name, it tells a lease written here, in
+    this boot, whose process id can be asked about."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read(64).strip() or None
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class Held:
     """One lease file as a prune judges it: its record (``None``: unreadable or malformed), and
@@ -72,6 +93,16 @@ class Held:
     doc: dict | None
     until: float  # the record's expiry, bounded by when the store last wrote the file
     problem: str | None  # why the record is not believed as it stands
+
+    def here(self) -> bool | None:
+        """Whether its publish runs now: True or False when it was written on this host in this
+        boot (its process asked), None when that cannot be known from here."""
+        d = self.doc or {}
+        pid = d.get("pid")
+        if d.get("host") != socket.gethostname() or d.get("boot") is None or d.get("boot") != boot_id() \
+                or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        return _pid_alive(pid)
 
     def describe(self, now: float) -> str:
         d = self.doc or {}
@@ -111,9 +142,10 @@ def leases(store) -> list[Held]:
 
 
 def others_alive(store, mine: str | None = None) -> list[Held]:
-    """The leases of other publishes in progress (unexpired, as bounded by ``leases``)."""
+    """The leases of other publishes in progress (unexpired, as bounded by ``leases``, and not
+    known dead: one of this host and boot whose process is gone is dead whatever its expiry)."""
     now = time.time()
-    return [h for h in leases(store) if h.name != mine and h.until > now]
+    return [h for h in leases(store) if h.name != mine and h.until > now and h.here() is not False]
 
 
 def blocked(store, others: list[Held], what: str) -> str:
@@ -124,21 +156,26 @@ def blocked(store, others: list[Held], what: str) -> str:
             f"gkbuild leases {store.uri} --clear {others[0].name}")
 
 
-def expired(store) -> list[str]:
-    """Lease files of publishes that died (past their expiry; malformed ones are left to
-    ``gkbuild leases --clear``: gkbuild never wrote them)."""
+def dead(store) -> list[str]:
+    """Lease files of publishes that died: past their expiry, or of this host and boot with their
+    process gone (malformed ones are left to ``gkbuild leases --clear``: gkbuild never wrote them)."""
     now = time.time()
-    return [h.name for h in leases(store) if h.doc is not None and h.until <= now]
+    return [h.name for h in leases(store) if h.doc is not None and (h.until <= now or h.here() is False)]
 
 
-def clear(store, names: list[str]) -> list[str]:
-    """Remove the named lease files (only names a lease has); the names removed."""
-    held = {h.name for h in leases(store)}
+def clear(store, names: list[str], force: bool = False) -> list[str]:
+    """Remove the named lease files (only names a lease has); the names removed. The lease of a
+    publish running now on this host is kept unless ``force``."""
+    held = {h.name: h for h in leases(store)}
     for n in names:
         if not _NAME.match(n):
             raise GkError(f"--clear {shown(n)}: not a lease name (leases/<32 hex digits>.json, as gkbuild leases "
                           f"lists them)")
         if n not in held:
             raise GkError(f"{store.uri}: holds no lease {n}")
+        if held[n].here() and not force:
+            raise GkError(f"{store.uri}: {n} is held by a publish running now on this host (pid "
+                          f"{held[n].doc['pid']}); clearing it lets a prune delete the blobs it has sent: "
+                          f"wait for it, or pass --force")
     store.delete(names)
     return names

@@ -20,7 +20,7 @@ from ..pipeline import manifest as mf
 from ..pipeline.state import STATE_DIR
 from ..progress import bar, warn
 from . import codec, index, signing
-from .leases import Lease, blocked, expired, others_alive
+from .leases import Lease, blocked, dead, others_alive
 from .parallel import run_each
 from .stores import live_blobs, open_store
 
@@ -112,7 +112,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     if (prev is not None and prev.get("build_id") == m["build_id"] and index.blobs(prev) <= stored.keys()
             and not store.verifies_blobs and prev.get("signature", {}).get("sha256") == sig_sha):
         report.update(already=True, entries=prev["files"], where=store.uri)
-        return report
+        return _tidy(report, store, prune, lease)
     for f in (f for f in files if f["path"] not in known):
         size = f["src"].stat().st_size if f["src"].is_file() else None
         if size != f["size"]:
@@ -148,7 +148,7 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     idx = index.make(m, man_entry, list(entries.values()), dict(zip(index.SIGNED, signed_entries)))
     if not added and prev is not None and index.dumps(idx) == prev_bytes:  # every blob checked, none missing
         report.update(already=True, entries=prev["files"], where=store.uri)
-        return report
+        return _tidy(report, store, prune, lease)
     if lease:
         gone = sorted(index.blobs(idx) - store.stored().keys())
         if gone:  # a prune that started before this publish's lease removed a blob it reuses
@@ -158,20 +158,33 @@ def _publish(built: tuple, store, level: int, jobs: int | None, prune: bool, qui
     report.update(already=False, entries=idx["files"], where=store.commit(index.dumps(idx), added, message))
     if prev is not None and prev.get("build_id") != m["build_id"]:  # a store holds one build: the last published
         report["replaced"] = {"name": prev.get("name"), "build_id": prev.get("build_id")}
-    if prune and lease:
+    return _tidy(report, store, prune, lease)
+
+
+def _tidy(report: dict, store, prune: bool, lease) -> dict:
+    """After a publish succeeds, whether it sent anything or the store held the build already:
+    the leases of dead publishes go (so a killed run's own lease stops blocking prunes), and with
+    no other publish live, the temporaries they left; with ``prune``, unnamed blobs too."""
+    if lease is None:
+        return report
+    if prune:
         report["pruned"] = prune_store(store, lease)
+    elif not others_alive(store, lease.name):
+        leftovers = store.temporaries() + dead(store)
+        store.delete(leftovers)
+        report["tidied"] = len(leftovers)
     return report
 
 
 def prune_store(store, lease: Lease) -> int:
     """After a commit: delete the blobs the store's current index (re-read: another publish may
-    have committed since) and its compile cache do not name, temporaries and expired leases;
+    have committed since) and its compile cache do not name, temporaries and dead leases;
     nothing while another publish holds a live lease. How many files it removed."""
     others = others_alive(store, lease.name)
     if others:
         warn(blocked(store, others, "blobs"))
         return 0
     keep = live_blobs(store, store.read_index())
-    dead = sorted(n for n in store.stored() if n not in keep) + store.temporaries()
-    store.delete(dead + expired(store))
-    return len(dead)
+    gone = sorted(n for n in store.stored() if n not in keep) + store.temporaries()
+    store.delete(gone + dead(store))
+    return len(gone)

@@ -67,6 +67,10 @@ class S3Store:
                     raise GkError(f"{self.uri}/{name}: {f.size} bytes; refusing to read more than {limit}")
                 return f.read(limit + 1), etag
 
+    def require(self) -> None:
+        """The bucket must be there (an empty prefix is an empty store)."""
+        self._bucket()
+
     def _bucket(self) -> None:
         with self._errors():
             if not self.fs.exists(self.ref.bucket):

@@ -108,6 +108,12 @@ class DirStore:
         ``compile/`` linked elsewhere is refused, for reads, writes and deletes alike)."""
         return inside(self.root, name)
 
+    def require(self) -> None:
+        """For a command that only looks (``leases``, ``cache ls``): the store must be there."""
+        if not os.path.isdir(self.root):
+            link = " (a symlink that leads nowhere, or back to itself)" if os.path.islink(self.root) else ""
+            raise GkError(f"{self.root}: no store there{link}; give the folder a publish wrote")
+
     def read_index(self) -> bytes | None:
         """The publish index as it is now (remembered: ``commit`` replaces only this one)."""
         p = self.root / NAME
@@ -289,6 +295,10 @@ class HubStore:
         with self._errors():
             return {item.path: item.size for item in self.api.list_repo_tree(self.ref.repo, revision=sha, recursive=True)
                     if getattr(item, "size", None) is not None}
+
+    def require(self) -> None:
+        """The repo and branch must be there (the hub's own one line if not)."""
+        self._pin(must_exist=True)
 
     def read_index(self) -> bytes | None:
         if NAME not in self._tree_sizes():

@@ -233,3 +233,45 @@ def test_plan_and_compile_read_the_profile_first(tmp_path):
     assert not (tmp_path / "o").exists()
     r = run_cli("compile", str(RECIPES / "tiny-cpu.yaml"), "--out", str(tmp_path / "o"), "-q", "--host-profile", str(other))
     assert r.returncode == 1 and "is for trn2/trn3 builds, not cpu" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_report_folder_that_is_a_dangling_link_is_one_line_before_any_probe(fake_sdk, tmp_path):
+    (tmp_path / "rep").symlink_to(tmp_path / "nowhere")
+    r = run_cli("doctor", "--report", str(tmp_path / "rep"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"--report {tmp_path / 'rep'}: a symlink to {tmp_path / 'nowhere'}, which does not exist" in r.stderr
+    assert not (tmp_path / "nowhere").exists() and "compiling the probe" not in r.stderr
+
+
+@pytest.mark.parametrize("module", ["torch_xla", "neuronxcc"])
+def test_an_sdk_that_does_not_import_is_one_line_not_a_report_of_nulls(fake_sdk, tmp_path, monkeypatch, module):
+    """find_spec finds the SDK, but one of its modules fails on import (a missing shared library)."""
+    sdk = tmp_path / "sdk"
+    shutil.copytree(tests_fake_sdk(), sdk)
+    (sdk / module / "__init__.py").write_text('raise ImportError("libnrt.so.1: cannot open shared object file")\n')
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(sdk), *os.environ["PYTHONPATH"].split(os.pathsep)[1:]]))
+    r = run_cli("doctor", "--report", str(tmp_path / "rep"))
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("gkbuild: error")]
+    assert r.returncode == 1 and len(err) == 1, r.stderr
+    assert f"the Neuron SDK does not import ({module}: ImportError: libnrt.so.1" in err[0]
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_doctor_whose_probes_all_failed_is_one_line(monkeypatch):
+    """Every probe's trace failed alike (an SDK broken past its imports): no answer at all is not a report."""
+    broken = "torch_neuronx.trace failed: KeyError: 'PJRT_DEVICE'"
+    res = {"device": {"present": False, "evidence": broken}, "dtypes": {"seen": {}, "error": broken}, "neffs": [],
+           "mixing": {"compiled": False, "error": broken},
+           "aliases": {k: {"compiled": False, "error": broken, "after_two_runs": None} for k in ("declared", "undeclared")}}
+    monkeypatch.setattr(doctor.neuron, "sdk", lambda: None)
+    monkeypatch.setattr(doctor, "_probe", lambda *a, **k: res)
+    with pytest.raises(GkError, match=r"^gkbuild doctor: no probe compiled, so nothing is answered: .*KeyError"):
+        doctor.run("trn3", quiet=True)
+
+
+def tests_fake_sdk():
+    from tests.compile.conftest import FAKE_SDK
+
+    return FAKE_SDK

@@ -2,6 +2,7 @@
 verdict, and the scan of a kernel checkout for the FP8 types its reachable code declares."""
 
 import json
+import os
 
 import pytest
 
@@ -119,3 +120,37 @@ def test_the_stand_ins_declare_what_the_published_sources_do(library):
     got = {(d.type, d.function) for d in rules.declarations(lib, neuron.kernel_source.ENTRIES["decode"])}
     want = {(t, site.split(":")[1]) for t, site in rules.PUBLISHED["aws-neuron/nki-library"]}
     assert want <= got, want - got
+
+
+def _library_case(tmp_path, case: str):
+    """A copy of the stand-in decode library, spoiled as ``case`` says; the --set that points at it."""
+    import shutil
+
+    from tests.compile.conftest import LIB_A
+
+    lib = tmp_path / "lib"
+    module = "src/nkilib_src/nkilib/models/gpt_oss/c128_giga_kernel/experimental/gpt_oss/gpt_oss_decode_layer_dp_tp_ep.py"
+    if case.startswith("library"):
+        {"library missing": lambda: None, "library a file": lambda: lib.write_text("x"),
+         "library a fifo": lambda: os.mkfifo(lib)}[case]()
+    else:
+        shutil.copytree(LIB_A, lib)
+        entry = lib / module
+        entry.unlink()
+        {"entry missing": lambda: None, "entry a fifo": lambda: os.mkfifo(entry),
+         "entry a link to /dev/zero": lambda: entry.symlink_to("/dev/zero"),
+         "a 45 MB module nothing imports": lambda: (shutil.copy(LIB_A / module, entry),
+                                                    (lib / "src" / "unused.py").write_bytes(b"#" * (45 << 20)))}[case]()
+    return f"compile.kernels.decode.library={lib}"
+
+
+@pytest.mark.parametrize("case", ["library missing", "library a file", "library a fifo", "entry missing",
+                                  "entry a fifo", "entry a link to /dev/zero", "a 45 MB module nothing imports"])
+def test_plan_never_says_compiles_of_a_library_it_could_not_read(case, tmp_path):
+    """plan used to skip what it could not find and judge "compiles", while the compile then failed
+    "not importable" (or refused an oversized module): both now say the same one line, rc 1."""
+    args = (str(RECIPES / "tiny-topology-trn3.yaml"), "--set", _library_case(tmp_path, case))
+    plan = run_cli("plan", *args)
+    comp = run_cli("compile", *args, "--out", str(tmp_path / "b"), "-q")
+    assert plan.returncode == 1 and plan.stderr.count("\n") == 1 and "compiles" not in plan.stdout, plan.stderr
+    assert comp.returncode == 1 and comp.stderr == plan.stderr and not (tmp_path / "b").exists()

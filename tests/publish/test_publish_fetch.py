@@ -71,8 +71,8 @@ def test_republishing_uploads_nothing_and_a_change_uploads_only_what_changed(bui
     changed = publish(build, str(store), quiet=True)
     assert changed["uploaded_files"] == 2, changed  # layout/tail.json + manifest.json
     assert len(list((store / "blobs").iterdir())) == len(blobs) + 2
-    publish(build, str(store), quiet=True, prune=True)  # nothing new to store; --prune only with a new index
-    assert len(list((store / "blobs").iterdir())) == len(blobs) + 2
+    pruned = publish(build, str(store), quiet=True, prune=True)  # nothing new to store: --prune still prunes
+    assert pruned["already"] and pruned["pruned"] == 2 and len(list((store / "blobs").iterdir())) == len(blobs)
 
 
 def test_prune_drops_blobs_of_the_previous_build(build, tmp_path):
