@@ -492,7 +492,7 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
               loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device, trust=trust or None)
     if scratch_limit is not None:
-        reports = [_verify_within(_parse_size(scratch_limit, "--scratch-limit"), lambda: run(build_dir, **kw))]
+        reports = [_verify_within(parse_size(scratch_limit, "--scratch-limit"), lambda: run(build_dir, **kw))]
     elif prefill is None:
         reports = [run(build_dir, **kw)]
     else:
