@@ -229,10 +229,12 @@ class Build:
                           f"{torch.__version__}")
         if art["target"] == "cuda" and not torch.cuda.is_available():
             raise GkError(f"{p}: refused: built for cuda, and no GPU is available here")
-        why = inductor.cannot_run(inductor.target_of(art["flags"]))
+        target = inductor.target_of(art["flags"])
+        why = inductor.cannot_run(target)
         if why:
             raise GkError(f"{p}: refused: native code {why}")
-        return torch._inductor.aoti_load_package(str(p))
+        with inductor.quiet_portable_load(target):
+            return torch._inductor.aoti_load_package(str(p))
 
     def layout_doc(self, kind: str) -> dict:
         """``layout/kv.json`` or ``layout/tail.json``, checked against the manifest like a shard

@@ -169,6 +169,7 @@ def build_tables(s: dict) -> list:
         ("KV budget", budget_line(kv["budget"])),
         ("tail", f"vocab {s['tail']['vocab_per_rank']} a rank, k {s['tail']['k']}"),
         ("compile", f"{s['compile']['status']} ({s['compile']['artifacts']} artifacts)"),
+        *([("code target", s["compile"]["code_target"])] if s["compile"].get("code_target") else []),
     ]
     for k, v in rows:
         head.add_row(k, v)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -90,6 +91,48 @@ def cannot_run(t: dict) -> str | None:
     if "cpu" in t and t["cpu"] != code_target().get("cpu"):
         return "compiled with -march=native on a CPU with other features"
     return None
+
+
+# torch warns at every load of a package whose recorded ISA is not the host's widest
+# (pytorch/pytorch@cf30153c4c131c8164ee7798e5022d810682e2cb:torch/export/pt2_archive/_package.py:1059,
+# _load_aoti: "Device information mismatch for %s: %s vs %s", logger torch.export.pt2_archive._package).
+# For a portable program on a wider CPU that is the point of the target, not a problem.
+LOAD_LOGGER = "torch.export.pt2_archive._package"
+PORTABLE_ISA = {256: "AVX2"}  # the AOTI_CPU_ISA a portable program records, by vector bits
+
+
+def expected_mismatch(t: dict) -> str | None:
+    """The AOTI_CPU_ISA a program of code target ``t`` records when that differs from this host's
+    by design (portable, on a wider CPU), or None."""
+    march, bits = PORTABLE.get(platform.machine(), (None, None))
+    return PORTABLE_ISA.get(bits) if march is not None and t.get("march") == march else None
+
+
+class _Expected(logging.Filter):
+    def __init__(self, isa: str):
+        super().__init__()
+        self.isa = isa
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg.startswith("Device information mismatch") and len(args) == 3
+                    and args[0] == "AOTI_CPU_ISA" and args[2] == self.isa)
+
+
+@contextlib.contextmanager
+def quiet_portable_load(t: dict):
+    """Load a program of code target ``t`` without torch's ISA warning when the mismatch is the
+    portable target's (``inspect`` says it once); any other mismatch stays loud."""
+    isa = expected_mismatch(t)
+    if isa is None:
+        yield
+        return
+    f, log = _Expected(isa), logging.getLogger(LOAD_LOGGER)
+    log.addFilter(f)
+    try:
+        yield
+    finally:
+        log.removeFilter(f)
 
 
 def target_of(flags: list) -> dict:

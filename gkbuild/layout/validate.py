@@ -60,15 +60,17 @@ def kv(doc: dict, m: dict, root: Path) -> KvLayout:
 
     where = root / m["layout"]["kv"]["file"]
     lay = _scalars(doc, m["layout"]["kv"], where)
-    derived = json.loads(json.dumps(lay.describe()))
-    _differs(where, doc, derived, "its form, num_layers, num_blocks, kv_heads, block_size, head_dim and dtype")
     model, t, kvc = m["model"], m["topology"], m["recipe"]["resolved"].get("kv_cache", {})
     cfg = GptOssConfig.from_hf(model, f"{root / NAME}: model")
     dims = Dims.of(cfg, tp=t["tp"], ep=t["ep"], vtp=t["vtp"])
+    # the sizes first, against the manifest's model: every per-layer list below is sized by them
     _differs(where, doc, {"num_layers": cfg.L, "head_dim": cfg.d, "kv_heads": dims.kv_l,
-                          "kv_heads_of_rank": {str(r["rank"]): dims.kv_heads_of(r["tp"]) for r in m["ranks"]},
                           "budget": m["layout"]["kv"].get("budget"), "block_size": kvc.get("block_size"),
                           "form": kvc.get("form")}, "the manifest's model, topology and recipe")
+    _differs(where, doc, {"kv_heads_of_rank": {str(r["rank"]): dims.kv_heads_of(r["tp"]) for r in m["ranks"]}},
+             "the manifest's model, topology and recipe")
+    derived = json.loads(json.dumps(lay.describe()))
+    _differs(where, doc, derived, "its form, num_layers, num_blocks, kv_heads, block_size, head_dim and dtype")
     _differs(root / NAME, m["layout"]["kv"],
              {k: derived[k] for k in ("entries", "allocation_shape", "allocations", "bytes_per_rank")},
              f"the scalars of {where}")

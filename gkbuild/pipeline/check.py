@@ -57,6 +57,20 @@ def program_summary(a: dict, lnc: int) -> dict:
             "neff_version": f"{neff['neff_version_major']}.{neff['neff_version_minor']}" if neff else None}
 
 
+def code_target_note(artifacts: list[dict]) -> str | None:
+    """Said once here, kept quiet at load (``inductor.quiet_portable_load``): programs compiled for
+    the portable target that this wider CPU makes torch warn about."""
+    from ..compile import inductor
+
+    isas = {inductor.expected_mismatch(inductor.target_of(a.get("flags") or [])) for a in artifacts
+            if a.get("format") == "aoti-pt2"} - {None}
+    if not isas or "avx512f" not in inductor.cpu_features():
+        return None
+    return (f"the programs are compiled for the portable x86-64-v3 target ({', '.join(sorted(isas))} vectors); "
+            f"this CPU has AVX-512, so torch's load-time 'Device information mismatch for AOTI_CPU_ISA' is "
+            f"expected and kept quiet")
+
+
 def summary(build_dir: Path) -> dict:
     m = mf.load(build_dir)
     state = State(build_dir)
@@ -80,7 +94,8 @@ def summary(build_dir: Path) -> dict:
                           for g in group_ranks((r["rank"], r["device"]) for r in m["ranks"])],
         "host_files": [{**h, "bytes": sizes.get(h["file"])} for h in m["host_files"]],
         "source": {k: v for k, v in m["source"].items() if k != "files"},
-        "compile": {"status": m["compile"]["status"], "artifacts": len(m["compile"]["artifacts"])},
+        "compile": {"status": m["compile"]["status"], "artifacts": len(m["compile"]["artifacts"]),
+                    "code_target": code_target_note(m["compile"]["artifacts"])},
         "programs": [program_summary(a, m["topology"]["lnc"]) for a in m["compile"]["artifacts"]],
         "stages": [{"name": n, "cached": state.stages.get(n) == k} for n, k in recorded.items()],
     }

