@@ -48,6 +48,7 @@ ROPE_MODES = ("host", "fused")
 # replace it with what neuron-monitor reports for the compiled programs on a Trainium host.
 DEFAULT_DEVICE_RESERVE_GIB = 1.0
 MAX_BATCH_SIZES = 64  # decode batch sizes a recipe builds for: one NEFF each on trn
+MAX_BATCH = 1 << 16  # a global decode batch (the 120b's production batch is 128 to 1024)
 
 
 def _f(default, doc: str, choices: tuple | None = None, **kw):
@@ -271,8 +272,8 @@ class Recipe:
                             f"into bf16 weights and fp32 softmax scales)")
         self._validate_compile(bad)
         bs = self.decode.batch_sizes
-        if not bs or any((not isinstance(b, int)) or b < 1 for b in bs):
-            bad("decode.batch_sizes", bs, "expected a non-empty list of positive integers")
+        if not bs or any((not isinstance(b, int)) or isinstance(b, bool) or not 1 <= b <= MAX_BATCH for b in bs):
+            bad("decode.batch_sizes", bs, f"expected a non-empty list of integers in 1..{MAX_BATCH}")
         if len(bs) > MAX_BATCH_SIZES:
             bad("decode.batch_sizes", bs, f"at most {MAX_BATCH_SIZES} batch sizes (on trn each is a program to "
                                           f"compile), not {len(bs)}")

@@ -81,8 +81,16 @@ def kv(doc: dict, m: dict, root: Path) -> KvLayout:
 def tail(doc: dict, m: dict, root: Path) -> None:
     """Refuse the ``tail.json`` (``doc``) of the build at ``root`` that is not exactly what its
     manifest's topology and recipe give."""
+    from ..pipeline.manifest import NAME
+    from ..recipe import MAX_BATCH, MAX_BATCH_SIZES
+
     where = root / m["layout"]["tail"]["file"]
     t, r = m["topology"], m["recipe"]["resolved"]
+    bs = r.get("decode", {}).get("batch_sizes")  # rows are derived for each: bounded first, as a recipe's are
+    if not isinstance(bs, list) or not 0 < len(bs) <= MAX_BATCH_SIZES or any(
+            isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH for b in bs):
+        raise GkError(f"{root / NAME}: recipe decode.batch_sizes {shown(bs)}: expected 1..{MAX_BATCH_SIZES} "
+                      f"integers in 1..{MAX_BATCH}")
     groups = t.get("a2a_batch_groups", 1)
     want = {"vtp": t["vtp"], "vocab_per_rank": m["layout"]["tail"]["vocab_per_rank"], "hops": t["hops"],
             "k": m["layout"]["tail"]["k"], "emit_logits": r.get("tail", {}).get("emit_logits"),

@@ -233,9 +233,9 @@ def test_every_shipped_recipes_di_verify_fits_its_kv_budget(path, form):
         check_run(m, p.kv, max(r.decode.batch_sizes), n + steps)
 
 
-def test_a_kv_json_declaring_100000_layers_is_refused_by_the_manifests_model(built, tmp_path):
-    """Its sizes are held to the manifest's model before any per-layer list is derived from them
-    (the held-out case ran past 120 s); the manifest re-hashed, as a hostile one would be."""
+def _rehashed(built, tmp_path, kv_edit=None, manifest_edit=None):
+    """A copy of ``built`` with its kv.json and manifest edited and the manifest re-hashed, as a
+    hostile one would be."""
     import hashlib
     import shutil
 
@@ -243,16 +243,34 @@ def test_a_kv_json_declaring_100000_layers_is_refused_by_the_manifests_model(bui
 
     b = tmp_path / "b"
     shutil.copytree(built, b)
-    kv = json.loads((b / "layout" / "kv.json").read_text())
-    kv["num_layers"] = 100_000
-    kv["layers"] = [dict(kv["layers"][i % 2], layer=i) for i in range(100_000)]
-    data = json.dumps(kv).encode()
-    (b / "layout" / "kv.json").write_bytes(data)
     m = json.loads((b / mf.NAME).read_text())
-    f = next(f for f in m["files"] if f["path"] == "layout/kv.json")
-    f.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    if kv_edit:
+        kv = json.loads((b / "layout" / "kv.json").read_text())
+        kv_edit(kv)
+        data = json.dumps(kv).encode()
+        (b / "layout" / "kv.json").write_bytes(data)
+        f = next(f for f in m["files"] if f["path"] == "layout/kv.json")
+        f.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    if manifest_edit:
+        manifest_edit(m)
     m["build_id"] = mf.build_id(m)
     (b / mf.NAME).write_text(json.dumps(m))
-    r = run_cli("di", "plan", str(b))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-    assert "kv.json: num_layers is 100000; the manifest's model" in r.stderr
+    return b
+
+
+def _layers(kv):
+    kv["num_layers"] = 100_000
+    kv["layers"] = [dict(kv["layers"][i % 2], layer=i) for i in range(100_000)]
+
+
+@pytest.mark.parametrize("kv_edit, manifest_edit, said", [
+    (_layers, None, "kv.json: num_layers is 100000; the manifest's model"),
+    (None, lambda m: m["recipe"]["resolved"]["decode"].update(batch_sizes=[1 << 30]),
+     "manifest.json: recipe decode.batch_sizes [1073741824]: expected"),
+], ids=["kv.json 100000 layers", "manifest batch size 2**30"])
+def test_counts_a_build_declares_are_bounded_before_anything_is_sized_from_them(built, tmp_path, kv_edit,
+                                                                                 manifest_edit, said):
+    """Held to the manifest's model (or to a recipe's bounds) before any per-layer or per-row list
+    is derived from them: the held-out kv.json case ran past 120 s, a 2**30 batch allocated GBs."""
+    r = run_cli("di", "plan", str(_rehashed(built, tmp_path, kv_edit, manifest_edit)))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
