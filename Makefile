@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast docs browser clean
 
 install: $(STAMP)
 
@@ -26,12 +26,25 @@ demo: $(STAMP)
 
 # Two workers, a test file each at a time (module fixtures stay in one process): the 2-core CI
 # machines run the suite in about 11 minutes instead of 16.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
+# The documentation site from docs/ into site/; strict: a broken link, anchor or reference fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+# tests/test_docs.py renders the site in Debian's headless Chromium. Installed here where apt-get can
+# (root on Debian/Ubuntu); elsewhere the test skips and says Chromium is missing.
+browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium-headless-shell >/dev/null; \
+	else echo "make: no Chromium and no root apt-get: tests/test_docs.py's render check will skip"; fi
+
 clean:
-	rm -rf artifacts/* $(VENV) .pytest_cache .hypothesis
+	rm -rf artifacts/* $(VENV) .pytest_cache .hypothesis site
 	touch artifacts/.gitkeep

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import __version__
+from . import __version__, cli_help
 from .errors import GkError, printable, shown
 from .farm import MAX_PLANS
 from .progress import bar, note
@@ -30,19 +30,20 @@ def _cell(text) -> str:
     return escape(printable(str(text)))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=cli_help.Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="gkbuild")
 def cli():
-    """Build GPT-OSS giga-kernel (fused decode) artifacts from an MXFP4 checkpoint.
+    """Build, verify and publish GPT-OSS giga-kernel (fused decode) artifacts from an MXFP4 checkpoint.
 
-    \b
-    Typical flow:
+    Examples:
       gkbuild synth tiny --out ckpt          # a checkpoint in the exact hub layout
       gkbuild inspect ckpt                   # what is in it
       gkbuild plan recipes/tiny-cpu.yaml     # what a recipe builds, before reading weights
       gkbuild compile recipes/tiny-cpu.yaml  # build it into artifacts/tiny-cpu
       gkbuild check artifacts/tiny-cpu       # every byte against the manifest
-      gkbuild publish artifacts/tiny-cpu --to STORE; gkbuild fetch STORE --to DIR
+      gkbuild verify artifacts/tiny-cpu --prompt "The capital of France is" --chat
+      gkbuild publish artifacts/tiny-cpu --to STORE
+      gkbuild fetch STORE --to DIR
     """
 
 
@@ -55,11 +56,15 @@ def cli():
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
-    """Synthesize a checkpoint of PRESET in the exact hub MXFP4 layout.
+    """Write a synthetic checkpoint of PRESET in the exact hub MXFP4 layout.
 
     PRESET is one of gpt-oss-120b, gpt-oss-20b, tiny, tiny-topology. The files (config.json,
     model.safetensors.index.json, model-0000k-of-0000n.safetensors) load in transformers like the
     real checkpoint. Writing streams: memory stays flat whatever the size.
+
+    Examples:
+      gkbuild synth tiny --out ckpt
+      gkbuild synth gpt-oss-120b --out ckpt-120b --layers 2 --seed 1
     """
     from .checkpoint.synth import synthesize, total_bytes
     from .model import preset as get_preset
@@ -79,8 +84,16 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
 @click.option("--deep", is_flag=True, help="Checkpoints: also read every tensor (NaN scales, non-finite weights).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def inspect(path, as_json, deep, quiet):
-    """Summarize PATH: a build folder (manifest.json), a NEFF file (its header), or a checkpoint
-    folder (headers only, unless --deep)."""
+    """Summarize a build folder, a NEFF file or a checkpoint folder.
+
+    Summarize PATH: a build folder (manifest.json), a NEFF file (its header), or a checkpoint
+    folder (headers only, unless --deep).
+
+    Examples:
+      gkbuild inspect artifacts/tiny-cpu
+      gkbuild inspect ckpt --deep --json
+      gkbuild inspect artifacts/gpt-oss-120b-trn3/compiled/decode-b128.neff
+    """
     from .checkpoint.reader import Checkpoint
     from .summary import build_tables, checkpoint_summary, checkpoint_table
 
@@ -142,10 +155,17 @@ def _load_plan(recipe_path: Path, overrides, offline_preset: bool = False):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--show-compile", is_flag=True, help="Also print the exact compile invocations of the compile stage.")
 def plan(recipe_path, overrides, as_json, show_compile):
-    """Show what RECIPE builds, reading no weights: every file kind with its tensors, shapes,
+    """Show what a recipe builds, and the compiler rules' verdict, reading no weights.
+
+    Show what RECIPE builds, reading no weights: every file kind with its tensors, shapes,
     dtypes and bytes, how many ranks share each file, bytes per rank and on disk, the KV budget
     and the DMA offset check. The model config comes from the source's config.json (hf:// fetches
-    only that file) or the preset (synth://)."""
+    only that file) or the preset (synth://).
+
+    Examples:
+      gkbuild plan recipes/gpt-oss-120b-trn3.yaml
+      gkbuild plan recipes/tiny-cpu.yaml --set 'decode.batch_sizes=[1, 2]' --show-compile
+    """
     from .summary import plan_tables
 
     p, _ = _load_plan(recipe_path, overrides, offline_preset=True)
@@ -218,7 +238,9 @@ _sign_option = click.option(
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (for CI) instead of tables.")
 def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cache, host_profile, cache_push, to,
                 scratch_limit, executor, sign, overrides, quiet, as_json):
-    """Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
+    """Build a recipe into a build folder, or stream it into a store with --to.
+
+    Build RECIPE: resolve the source, validate it, plan, emit the per-rank shards, write the KV
     and tail layout metadata, trace and compile the decode and tail programs (cpu/cuda: .pt2
     through AOTInductor; trn2/trn3: LNC=1 NEFFs through neuronx-cc), and write the manifest.
 
@@ -232,6 +254,12 @@ def compile_cmd(recipe_path, out_dir, jobs, force, no_compile, require_neff, cac
     same bytes and build id): the source is read by byte range, each shard is staged, stored and
     deleted, and the index is committed last; local disk stays under --scratch-limit (checked up
     front, the peak reported). A killed run's rerun sends only what the store lacks.
+
+    Examples:
+      gkbuild compile recipes/tiny-cpu.yaml                  # -> artifacts/tiny-cpu/
+      gkbuild compile recipes/gpt-oss-120b-trn3.yaml --cache s3://my-bucket/gk-cache --cache-push
+      gkbuild compile recipes/gpt-oss-120b-trn3.yaml --to s3://my-bucket/builds/120b \\
+          --scratch-limit 8GiB --sign sigstore
     """
     from .pipeline.pipeline import compile_build
     from .recipe import load
@@ -306,8 +334,14 @@ def _print_build(res) -> None:
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def check(build_dir, quiet):
-    """Re-hash every file of BUILD against its manifest; report each mismatched, missing or
-    extra file, one per line. Exits 1 if any."""
+    """Re-hash every file of a build against its manifest.
+
+    Re-hash every file of BUILD against its manifest; report each mismatched, missing or
+    extra file, one per line. Exits 1 if any.
+
+    Examples:
+      gkbuild check artifacts/tiny-cpu
+    """
     from .pipeline import manifest as mf
     from .pipeline.check import problems
 
@@ -375,14 +409,16 @@ _DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len, steps, seed, kv_dtype, k_scale, v_scale,
            device, quiet):
-    """Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV or synth://PRESET...): each
+    """Compute a checkpoint's reference logits, to verify builds against later.
+
+    Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV or synth://PRESET...): each
     prompt plus a greedy continuation, with per-layer hidden states, router choices and margins,
     the final norm's output and every expert on fixed probe rows, saved as safetensors so a build
     can be verified without transformers. The reference streams the checkpoint one decoder layer at
     a time through transformers' GPT-OSS modules (fp32), decodes MXFP4 with transformers' own
     dequantization, and rounds K/V as the build's --kv cache does.
 
-    \b
+    Examples:
       gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --chat
       gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
     """
@@ -452,7 +488,9 @@ def _trust_options(f):
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, prefill,
            prefill_tp, transfer_timeout, report_dir, scratch_limit, trust, trust_issuer, as_json, quiet):
-    """Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
+    """Run a build (or a store, in place) and compare it with the reference model, layer by layer.
+
+    Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
     compare with the reference model: NxD-style tolerances on the reference's top-5/50/1000/all
     logits, teacher forcing, near-tie allowances; tight when the golden emulates the build's KV
     format. Each layer is also run on the reference's own input, every expert of every layer on
@@ -463,16 +501,15 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     cover (longer than the sliding window; N % block == 0 and N % block == block - 1); --report
     then writes one folder a set, DIR/prompt-len-N.
 
-    \b
-      gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
-      gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
-
     STORE (a folder store, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) is verified where it is
     published: each file is read from its blob as the twins first need it and hashed against the
     manifest on the way; the same checks and the same report as of the fetched build. With --trust
     the signature over the manifest is checked before any file is read.
 
-    \b
+    Examples:
+      gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
+      gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
+      gkbuild verify artifacts/tiny-cpu --engine compiled --steps 8 -q
       gkbuild verify s3://bucket/builds/120b --golden g.safetensors --scratch-limit 2GiB --trust ci.pub
     """
     from .publish.shards import is_store
@@ -605,7 +642,9 @@ def _print_verify(rep) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
-    """Publish BUILD to DEST: every file hashed against the manifest as it is stored, compressed
+    """Publish a build to a folder, hf:// or s3:// store.
+
+    Publish BUILD to DEST: every file hashed against the manifest as it is stored, compressed
     with zstd where that pays, content the store already holds skipped, then the publish index
     written in one step (one commit on the hub), so nobody sees half a build.
 
@@ -613,7 +652,7 @@ def publish(build_dir, dest, level, jobs, prune, sign, quiet, as_json):
     publishes at once, the second to commit is refused. Without --sign, a signature beside the
     manifest is published only if it is over exactly this manifest and provenance.
 
-    \b
+    Examples:
       gkbuild publish artifacts/tiny-cpu --to /mnt/store/tiny-cpu
       gkbuild publish artifacts/gpt-oss-120b-trn3 --to hf://my-org/gpt-oss-120b-gk@trn3
       gkbuild publish artifacts/gpt-oss-120b-trn3 --to s3://my-bucket/builds/gpt-oss-120b-trn3
@@ -661,12 +700,19 @@ def _print_store_table(entries: list[dict], title: str) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
-    """Fetch the build published at SRC (a folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) into DIR.
+    """Fetch a published build, every file verified before it is moved into place.
+
+    Fetch the build published at SRC (a folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX) into DIR.
 
     Every file is decompressed as it streams in and moved into place only once its sha256 matches
     the manifest; the manifest is written last. Refused with one line, leaving only verified
     files: a hash mismatch, a path escaping DIR, a file the manifest does not list, data larger
-    than declared, an unknown index or manifest version. Run it again to resume."""
+    than declared, an unknown index or manifest version. Run it again to resume.
+
+    Examples:
+      gkbuild fetch s3://my-bucket/builds/tiny --to /srv/gk --expect BUILD_ID
+      gkbuild fetch s3://my-bucket/builds/120b --to /srv/gk --trust ci-key.pub --trust ci-key-2025.pub
+    """
     from .publish.fetch import fetch as run
     from .summary import human_bytes
 
@@ -691,13 +737,21 @@ def fetch(src, dest, expect, jobs, trust, trust_issuer, quiet, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print what the signature and provenance say as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_signature(ref, trust, trust_issuer, as_json, quiet):
-    """Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
+    """Check who signed a build folder or a store, and that the signature covers it.
+
+    Check that BUILD (a build folder) or SRC (a store: a folder, hf://..., s3://...) is signed by
     one of the --trust keys or identities: the signature must cover exactly its manifest and
     provenance. Prints who signed it and what the provenance says.
 
     A build folder's files are then checked against the signed manifest (hashed, or hashed before
     on this host for this same manifest): a file changed since signing fails. A store's files are
-    not read (nothing is fetched): `gkbuild fetch SRC --trust ...` checks each one as it arrives."""
+    not read (nothing is fetched): `gkbuild fetch SRC --trust ...` checks each one as it arrives.
+
+    Examples:
+      gkbuild verify-signature artifacts/ci-build --trust ci-key.pub
+      gkbuild verify-signature s3://my-bucket/builds/120b \\
+          --trust https://github.com/ORG/REPO/.github/workflows/build-artifacts.yml@refs/tags/build-42
+    """
     from .pipeline import manifest as mf
     from .publish import signing
     from .publish.fetch import read_manifest, read_signed
@@ -739,9 +793,15 @@ def verify_signature(ref, trust, trust_issuer, as_json, quiet):
 @click.argument("b", metavar="BUILD_B")
 @click.option("--json", "as_json", is_flag=True, help="Print the difference as JSON.")
 def diff(a, b, as_json):
-    """What changed from BUILD_A to BUILD_B (build folders, or stores: a published folder or
+    """Show what changed between two builds or stores.
+
+    What changed from BUILD_A to BUILD_B (build folders, or stores: a published folder or
     hf://... or s3://...): recipe keys, source, tool and compiler versions, files, and the ranks whose files
-    changed. Exits 0 when the builds are identical, 1 when they differ."""
+    changed. Exits 0 when the builds are identical, 1 when they differ.
+
+    Examples:
+      gkbuild diff artifacts/tiny-cpu s3://my-bucket/builds/tiny --json
+    """
     from .publish.diff import diff as run, load
 
     d = run(load(a), load(b))
@@ -785,9 +845,11 @@ def _print_diff(d: dict) -> None:
 
 @cli.group()
 def cache():
-    """A shared compile cache (a folder, hf://ORG/NAME or s3://BUCKET/PREFIX): list, fill, prune.
+    """A shared compile cache: list, fill, prune.
 
-    \b
+    The cache is a folder, hf://ORG/NAME or s3://BUCKET/PREFIX.
+
+    Examples:
       gkbuild compile recipes/tiny-cpu.yaml --cache s3://my-bucket/gk-cache --cache-push
       gkbuild cache ls s3://my-bucket/gk-cache
     """
@@ -797,7 +859,13 @@ def cache():
 @click.argument("store", metavar="STORE")
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def cache_ls(store, as_json):
-    """Every compiled program in STORE: its key, program, format, target, compiler and size."""
+    """List the compiled programs in a compile cache.
+
+    Every compiled program in STORE: its key, program, format, target, compiler and size.
+
+    Examples:
+      gkbuild cache ls s3://my-bucket/gk-cache --json
+    """
     from .compile.cache import entries
     from .publish.stores import open_store
     from .summary import human_bytes
@@ -825,8 +893,14 @@ def cache_ls(store, as_json):
 @click.argument("store", metavar="STORE")
 @click.argument("build_dir", metavar="BUILD", type=click.Path(path_type=Path))
 def cache_push(store, build_dir):
-    """Store BUILD's compiled programs in STORE under their compile keys (each checked against the
-    manifest first; keys the store already has are skipped)."""
+    """Store a build's compiled programs in a compile cache.
+
+    Store BUILD's compiled programs in STORE under their compile keys (each checked against the
+    manifest first; keys the store already has are skipped).
+
+    Examples:
+      gkbuild cache push s3://my-bucket/gk-cache artifacts/tiny-cpu
+    """
     from .compile.cache import CompileCache, push_build
 
     c = CompileCache(store, push=True, staging=Path(build_dir) / ".gkbuild" / "cache-push")
@@ -840,8 +914,14 @@ def cache_push(store, build_dir):
               help="Keep only the programs these builds use (repeatable); without it, only broken entries "
                    "and blobs no entry names are removed.")
 def cache_prune(store, keep):
-    """Remove entries whose blob is gone or malformed, entries no --keep build uses, then blobs no
-    entry names. Only names a push writes are ever deleted."""
+    """Drop a compile cache's broken or unused entries, then the blobs no entry names.
+
+    Remove entries whose blob is gone or malformed, entries no --keep build uses, then blobs no
+    entry names. Only names a push writes are ever deleted.
+
+    Examples:
+      gkbuild cache prune s3://my-bucket/gk-cache --keep artifacts/gpt-oss-120b-trn3
+    """
     from .compile.cache import build_keys, prune
     from .publish.stores import open_store
     from .summary import human_bytes
@@ -852,13 +932,20 @@ def cache_prune(store, keep):
          f"({human_bytes(rep['bytes_freed'])}); {rep['entries_kept']} programs kept", False)
 
 
-@cli.command(help=f"""The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
+@cli.command(help=f"""List (or clear) the publishes in progress on a store, which block prunes.
+
+    The leases in STORE (a folder or s3://BUCKET/PREFIX): each publish in progress
     holds one, and while one is live `publish --prune` and `cache prune` delete no blob. A lease
     counts until its expiry, and never longer than {(TTL + SKEW) / 60:.0f} minutes after the store
     last wrote it (a malformed one, or one dated far ahead, stops blocking then), and not at all
     once its process is gone, when it was written on this host. --clear removes one now: only when
     its publish is known to be dead (its blobs would be pruned under it); the lease of a publish
-    running on this host needs --force.""")
+    running on this host needs --force.
+
+    Examples:
+      gkbuild leases s3://my-bucket/builds/120b
+      gkbuild leases /mnt/store/tiny-cpu --clear leases/OWNER.json
+    """)
 @click.argument("store", metavar="STORE")
 @click.option("--clear", "names", multiple=True, metavar="LEASE",
               help="Remove this lease (leases/<id>.json, as listed; repeatable): a publish that died and left "
@@ -891,7 +978,13 @@ def leases(store, names, force, as_json):
 
 @cli.group()
 def di():
-    """Disaggregated inference: how a prefill engine's KV reaches a build's cache over NIXL."""
+    """Disaggregated inference: plan how a prefill engine's KV reaches a build's cache.
+
+    Disaggregated inference: how a prefill engine's KV reaches a build's cache over NIXL.
+
+    Examples:
+      gkbuild di plan recipes/gpt-oss-120b-trn3.yaml --prefill-tp 4
+    """
 
 
 @di.command("plan")
@@ -901,12 +994,19 @@ def di():
 @_set_option
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON (every decode rank's reads).")
 def di_plan(target, prefill_tp, overrides, as_json):
-    """The transfer plan of a build (a folder with a manifest: its layout/kv.json) or of a recipe
+    """Show which prefill bytes fill which decode KV block, for a build or a recipe.
+
+    The transfer plan of a build (a folder with a manifest: its layout/kv.json) or of a recipe
     (the kv.json it would write, no weights read): the regions the prefill engine registers
     (seed 000's native per-layer engine: a [2, blocks, kv/TP, block, d] buffer a layer pair, one
     region a K or V half), and for every decode rank, layer and half which prefill rank, region,
     byte offset and length it reads a block from; the SWA N-1 rule as both roles apply it; what
-    converts packed FP8 K, and where."""
+    converts packed FP8 K, and where.
+
+    Examples:
+      gkbuild di plan artifacts/gpt-oss-120b-trn3 --prefill-tp 4
+      gkbuild di plan recipes/gpt-oss-120b-trn3.yaml --json > plan.json
+    """
     from .di.plan import transfer_plan
 
     if target.is_dir():
@@ -989,7 +1089,9 @@ def _print_di_plan(plan: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table.")
 def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_only, only, as_json, quiet):
-    """Compile every program of every RECIPE as independent jobs that meet in the compile cache.
+    """Compile every program of every recipe as jobs that meet in the compile cache.
+
+    Compile every program of every RECIPE as independent jobs that meet in the compile cache.
 
     Plans each program (name, batch size, target, compile key) from the recipe and the model's
     config alone, skips those STORE already holds and verifies, runs the rest as jobs (each traces
@@ -998,7 +1100,7 @@ def farm(recipe_paths, overrides, vary, cache, executor, workers, retries, list_
     Exits 1 if any job failed. Afterwards `gkbuild compile RECIPE --cache STORE` on any host
     assembles the build without compiling.
 
-    \b
+    Examples:
       gkbuild farm recipes/gpt-oss-20b-trn3.yaml recipes/gpt-oss-120b-trn3.yaml \\
           --vary 'decode.batch_sizes=[[1, 8], [64]]' --cache s3://my-bucket/gk-cache --executor ray
       gkbuild farm recipes/*.yaml --cache s3://my-bucket/gk-cache --list --json   # the CI matrix
@@ -1042,10 +1144,17 @@ def _print_farm(rep: dict, list_only: bool) -> None:
               help="Write DIR/doctor.json (the host profile compile --host-profile follows) and DIR/doctor.html.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(target, kernels_recipe, report_dir, as_json):
-    """On a Neuron host: answer what the published sources cannot (how MX experts reach the kernel,
+    """On a Neuron host: answer what the sources cannot, with probe kernels of its own.
+
+    On a Neuron host: answer what the published sources cannot (how MX experts reach the kernel,
     E4M3 flavour mixing, K/V aliases, where the NEFF lands, FP8 saturation, the checkout's switches)
     with probe kernels compiled through the same torch_neuronx.trace call a build makes, on the
-    device when one is present, else trace-only. Needs the Neuron SDK."""
+    device when one is present, else trace-only. Needs the Neuron SDK.
+
+    Examples:
+      gkbuild doctor --report doctor/
+      gkbuild doctor --target trn3 --kernels recipes/gpt-oss-120b-trn3.yaml --json
+    """
     from .compile import doctor as dr
 
     rep = dr.run(target, kernels_recipe, quiet=as_json, report=report_dir)
@@ -1072,9 +1181,17 @@ def doctor(target, kernels_recipe, report_dir, as_json):
 @click.option("--matrix", is_flag=True, help="Print the support matrix instead: target x KV dtype/packing x form x "
                                              "experts, judged by the compiler's documented rules before any trace.")
 def recipe_doc(as_json, matrix):
-    """Every recipe.yaml key with its default and meaning, then every kernel switch of each kernel
+    """List every recipe key and kernel switch, or (--matrix) the support matrix.
+
+    Every recipe.yaml key with its default and meaning, then every kernel switch of each kernel
     revision gkbuild knows: how the revision reads it, what it does, and what gkbuild sets it to.
-    --matrix: what the published kernels compile, refuse (the rule) or leave to `gkbuild doctor`."""
+    --matrix: what the published kernels compile, refuse (the rule) or leave to `gkbuild doctor`.
+
+    Examples:
+      gkbuild recipe-doc
+      gkbuild recipe-doc --matrix
+      gkbuild recipe-doc --json
+    """
     if matrix:
         return _print_matrix(as_json)
     from .compile.switches import switch_table
