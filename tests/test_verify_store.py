@@ -249,3 +249,35 @@ def test_a_store_is_verified_through_the_twins_only(topo, tmp_path):
         with pytest.raises(GkError, match=rf"^{store}: a build verified where it is stored runs through the twins; "
                                           rf"fetch it \(gkbuild fetch\) for --engine {engine}$"):
             verify.run(str(store), engine=engine)
+
+
+def test_a_folder_stores_raw_blobs_are_hashed_then_mapped_where_they_lie(topo, golden, local_report, tmp_path,
+                                                                         monkeypatch):
+    """A raw blob of a folder store (the 120b's expert shards: ~60 GB no host holds in memory) is
+    hashed in one read and then mapped in place, not copied into memory; the verify is the same,
+    and a blob altered at rest is still refused by name."""
+    from gkbuild.publish import codec
+    from gkbuild.publish.shards import open_build
+
+    monkeypatch.setattr(codec, "choose", lambda path, level=codec.LEVEL: (codec.RAW, 1.0))
+    store = tmp_path / "store"
+    publish(topo, str(store), quiet=True)
+    idx = json.loads((store / index.NAME).read_text())
+    assert {e["encoding"] for e in idx["files"]} == {codec.RAW}
+    r = cli("verify", str(store), "--golden", str(golden), "--scratch-limit", "24MiB", "--json", "-q",
+            env=private(tmp_path))
+    assert report(r) == local_report[1]
+    build = open_build(str(store))
+    try:
+        for e in idx["files"]:
+            held = build.file(e["path"])
+            assert os.readlink(os.fspath(held)) == str(store / e["blob"]), e["path"]
+    finally:
+        build.close()
+    f = next(e for e in idx["files"] if e["path"] == "weights/expert-077.safetensors")
+    p = store / f["blob"]
+    p.write_bytes(_flip(p.read_bytes()))
+    bad = cli("verify", str(store), "--golden", str(golden), "-q", env=private(tmp_path / "bad"))
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 1 and len(lines) == 1, bad.stderr
+    assert f"{f['blob']} (weights/expert-077.safetensors): refused: sha256" in lines[0], lines

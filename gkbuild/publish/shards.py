@@ -1,9 +1,12 @@
 """A published build opened where it is stored: each file read from its blob when the runtime
 first asks for it (its shards read ahead, side by side, from the first one on), decoded
 (``codec``, as a fetch does) and hashed on the way, and refused by name if its bytes are not the
-manifest's. The bytes live in an anonymous in-memory file (``memfd``) that
-the runtime maps as it maps a file of a build folder, so everything past "where are the bytes"
-is the same code; nothing lands on local disk, and the memory goes when the build is closed.
+manifest's. A raw blob of a folder store is that file's bytes where they lie: it is hashed in
+one streamed read and then mapped in place (read-only, as a build folder's file is: the memory is
+the page cache's, dropped layer by layer as the twins go). Any other file (a zstd blob, or a blob
+of S3 or the hub) is decoded into an anonymous in-memory file (``memfd``) that the runtime maps
+the same way, so everything past "where are the bytes" is the same code; nothing lands on local
+disk, and the memory goes when the build is closed.
 
 The store's index and manifest are checked first (``fetch.read_manifest``), and with ``trust`` the
 signature over the manifest (``fetch.check_trust``), before any shard is read.
@@ -38,8 +41,8 @@ def twins_only(ref: str, engine: str, prefill: bool) -> None:
 
 
 class Held(os.PathLike):
-    """A store file's verified bytes in a memfd, opened through ``/proc/self/fd``; named in
-    messages as the store's blob and the build's file."""
+    """A store file's verified bytes (a memfd, or the blob itself), opened through
+    ``/proc/self/fd``; named in messages as the store's blob and the build's file."""
 
     def __init__(self, fd: int, where: str):
         self.fd, self.where = fd, where
@@ -56,6 +59,19 @@ class Where(str):
 
     def __truediv__(self, rel) -> "Where":
         return Where(f"{self}/{rel}")
+
+
+def in_place_blob(store, entry: dict) -> bool:
+    """Whether the file ``entry`` is mapped from its blob where it lies (a folder store's raw blob)
+    rather than held in memory."""
+    return entry["encoding"] == codec.RAW and hasattr(store, "blob_fd")
+
+
+class _Discard:
+    """A sink for ``codec.decode`` when only the hash of the bytes is wanted."""
+
+    def write(self, data) -> int:
+        return len(data)
 
 
 class StoreFiles:
@@ -84,10 +100,15 @@ class StoreFiles:
     def _read(self, rel: str) -> Held:
         e = self._entries[rel]
         where = f"{self.store.uri}/{e['blob']} ({rel})"
-        fd = os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
+        in_place = in_place_blob(self.store, e)
+        fd = self.store.blob_fd(e["blob"]) if in_place else os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
         try:
-            with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
-                got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where)
+            if in_place:
+                with open(fd, "rb", closefd=False) as src:
+                    got = codec.decode(src, _Discard(), e["encoding"], e["size"], e["stored_size"], where)
+            else:
+                with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
+                    got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where)
             if got != e["sha256"]:
                 raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {e['sha256'][:16]}... "
                               f"(the blob changed since it was published)")
@@ -110,13 +131,15 @@ class StoreFiles:
 def open_build(uri: str, trust: list | None = None, api=None, fs=None):
     """The build published at ``uri`` as a ``runtime.Build`` whose files are read from the store.
     Refused before any shard is read: an index or manifest that does not check out, a signature
-    none of ``trust`` made, shards that could not all be held in this host's memory at once."""
+    none of ``trust`` made, files held in memory (all but those mapped in place) that this host's
+    memory could not hold at once."""
     from ..runtime import Build
 
     store = open_store(uri, api=api, fs=fs)
     idx, m, man_bytes = read_manifest(store)
     _, signed = check_trust(store, idx, m, man_bytes, trust)
-    need = sum(f["size"] for f in m["files"])
+    held = {e["path"] for e in idx["files"] if not in_place_blob(store, e)}
+    need = sum(f["size"] for f in m["files"] if f["path"] in held)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "

@@ -134,6 +134,14 @@ class DirStore:
         with open_regular(p) as f:
             yield f
 
+    def blob_fd(self, name: str) -> int:
+        """A blob opened for reading (a plain file, never through a link): the descriptor
+        ``publish.shards`` hashes and then maps in place."""
+        p = self._at(name)
+        _regular(p, "a blob")
+        with open_regular(p) as f:
+            return os.dup(f.fileno())
+
     def stored(self) -> dict[str, int]:
         """Blobs present: name -> stored size."""
         return self.list("blobs")
