@@ -67,14 +67,32 @@ def run(cmd: list[str], **kw) -> tuple[float, int]:
 def run_tree(cmd: list[str], **kw) -> tuple[float, int, int]:
     """(seconds, peak RSS of the largest process, peak RSS of the whole tree summed, sampled
     every 50 ms)."""
+    m = measure(cmd, **kw)
+    return m["wall"], m["rss"], m["rss_tree"]
+
+
+def run_cpu(cmd: list[str], **kw) -> dict:
+    """{wall, cpu (user + system seconds of the child and its children), rss (peak, largest
+    process), load (the 1-minute load average before and after)}. ``sync`` first."""
+    m = measure(cmd, **kw)
+    return {k: m[k] for k in ("wall", "cpu", "rss", "load")}
+
+
+def measure(cmd: list[str], **kw) -> dict:
+    """Run ``cmd`` (after a ``sync``: no earlier dirty pages on its clock) and return {wall, cpu
+    (user + system of it and its children), rss (peak of its largest process), rss_tree (peak of
+    its tree summed, sampled every 50 ms), read_bytes (what its processes read from storage, page
+    cache misses and mapped-page faults included: each process's /proc io as last sampled), load
+    (the 1-minute load average before and after)}. A failing command ends the bench."""
     import threading
 
     import psutil
 
     os.sync()
+    before = os.getloadavg()[0]
     t = time.perf_counter()
     p = subprocess.Popen(cmd, **kw)
-    peak_tree = 0
+    peak_tree, reads = 0, {}
     stop = threading.Event()
 
     def sample():
@@ -87,6 +105,9 @@ def run_tree(cmd: list[str], **kw) -> tuple[float, int, int]:
             try:
                 procs = [proc] + proc.children(recursive=True)
                 peak_tree = max(peak_tree, sum(q.memory_info().rss for q in procs))
+                for q in procs:
+                    with contextlib.suppress(psutil.Error):
+                        reads[q.pid] = q.io_counters().read_bytes
             except psutil.NoSuchProcess:
                 pass
             stop.wait(0.05)
@@ -99,22 +120,8 @@ def run_tree(cmd: list[str], **kw) -> tuple[float, int, int]:
     th.join()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{cmd} failed ({status})")
-    return wall, usage.ru_maxrss * 1024, peak_tree
-
-
-def run_cpu(cmd: list[str], **kw) -> dict:
-    """{wall, cpu (user + system seconds of the child and its children), rss (peak, largest
-    process), load (the 1-minute load average before and after)}. ``sync`` first."""
-    os.sync()
-    before = os.getloadavg()[0]
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, **kw)
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{cmd} failed ({status})")
     return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024,
-            "load": (before, os.getloadavg()[0])}
+            "rss_tree": peak_tree, "read_bytes": sum(reads.values()), "load": (before, os.getloadavg()[0])}
 
 
 def timed(cmd: list[str], **kw) -> tuple[float, float, str, int]:
