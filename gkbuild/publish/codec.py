@@ -2,13 +2,14 @@
 
 MXFP4 expert tiles are close to random bits and do not compress; bf16 weights and metadata do.
 The choice is made per file from a sample (a few slices spread through it), so a multi-GB shard
-that would not shrink is never pushed through the compressor.
+that would not shrink is never pushed through the compressor. A zstd blob is a run of
+independent frames of ``FRAME`` bytes each (any zstd reader reads it as one stream), so a reader
+can decode the part of a file it needs alone (``frames``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from typing import BinaryIO, Callable
 
@@ -24,6 +25,7 @@ MIN_SAVING = 0.05  # compress when the sample shrinks by at least this fraction
 SAMPLE = 256 << 10  # bytes per sampled slice
 SLICES = 4  # 1 MiB a file: ~3% of an expert shard, a sample that costs little next to the file
 CHUNK = 8 << 20
+FRAME = 256 << 10  # the bytes a zstd frame holds: what a verify in place fetches at least (``frames``)
 
 Advance = Callable[[int], None]
 
@@ -56,25 +58,28 @@ def encode(src: BinaryIO, dst: BinaryIO, encoding: str, level: int = LEVEL, thre
     view = memoryview(buf)
     start = dst.tell()
     if encoding == ZSTD:
+        # independent frames of FRAME bytes each (``frames``: a verify in place fetches and checks
+        # only the frames a layer needs), each carrying its size and a checksum
         cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
-        try:  # the frame header then carries the size (and zstd checks the input delivers exactly it)
-            size = os.fstat(src.fileno()).st_size
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            size = -1
-        # Not a ``with``: on a failed write (a dropped connection) its exit would finish the frame
-        # and raise zstd's "Src size is incorrect" in place of the real error.
-        w = cctx.stream_writer(dst, size=size, closefd=False)
-        while n := src.readinto(buf):
-            h.update(view[:n])
-            w.write(view[:n])
+        frame = bytearray(FRAME)
+        while n := _fill(src, frame):
+            h.update(memoryview(frame)[:n])
+            dst.write(cctx.compress(memoryview(frame)[:n]))
             advance(n)
-        w.close()
     else:
         while n := src.readinto(buf):
             h.update(view[:n])
             dst.write(view[:n])
             advance(n)
     return h.hexdigest(), dst.tell() - start
+
+
+def _fill(src: BinaryIO, buf: bytearray) -> int:
+    """Read ``src`` into ``buf`` until it is full or ``src`` ends; how many bytes."""
+    view, n = memoryview(buf), 0
+    while n < len(buf) and (got := src.readinto(view[n:])):
+        n += got
+    return n
 
 
 class _Counted:
@@ -106,7 +111,8 @@ def decode(src: BinaryIO, dst: BinaryIO, encoding: str, size: int, stored_size: 
     a fetch's time in the kernel)."""
     h = hashlib.sha256()
     counted = _Counted(src, stored_size, where)
-    reader = (zstandard.ZstdDecompressor().stream_reader(counted, read_size=1 << 20, closefd=False)
+    reader = (zstandard.ZstdDecompressor().stream_reader(counted, read_size=1 << 20, closefd=False,
+                                                         read_across_frames=True)
               if encoding == ZSTD else counted)
     buf = bytearray(CHUNK)
     view = memoryview(buf)

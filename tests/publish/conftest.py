@@ -4,6 +4,7 @@ the shared ``built`` / ``build`` of tests/conftest.py)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -22,11 +23,16 @@ def put_blob(store: Path, data: bytes, encoding: str = "zstd") -> dict:
     return {"size": len(data), "sha256": sha, "encoding": encoding, "stored_size": len(stored), "blob": name}
 
 
+def unzstd(stored: bytes) -> bytes:
+    """A zstd blob's content: every frame of it (gkbuild writes a run of frames, ``codec.FRAME`` each)."""
+    return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True).read()
+
+
 def read_store(store: Path) -> tuple[dict, dict]:
     idx = json.loads((store / index.NAME).read_text())
     e = idx["manifest"]
     raw = (store / e["blob"]).read_bytes()
-    data = zstandard.ZstdDecompressor().decompressobj().decompress(raw) if e["encoding"] == "zstd" else raw
+    data = unzstd(raw) if e["encoding"] == "zstd" else raw
     return idx, json.loads(data)
 
 

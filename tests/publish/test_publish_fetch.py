@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
 from gkbuild import recipe
 from gkbuild.pipeline import manifest as mf
@@ -21,7 +22,7 @@ from gkbuild.publish.publish import publish
 from gkbuild.publish.stores import DirStore
 from gkbuild.runtime import Build
 from tests.conftest import RECIPES, run_cli
-from tests.publish.conftest import put_blob, read_store, rewrite
+from tests.publish.conftest import put_blob, read_store, rewrite, unzstd
 
 
 def _build_files(root: Path) -> dict[str, bytes]:
@@ -139,9 +140,7 @@ def _tamper_content(store: Path) -> None:
     idx, _ = read_store(store)
     e = _first_weight(idx)
     good = (store / e["blob"]).read_bytes()
-    import zstandard
-
-    raw = bytearray(zstandard.ZstdDecompressor().decompressobj().decompress(good) if e["encoding"] == "zstd" else good)
+    raw = bytearray(unzstd(good) if e["encoding"] == "zstd" else good)
     raw[len(raw) // 2] ^= 0xFF
     stored = zstandard.ZstdCompressor().compress(bytes(raw)) if e["encoding"] == "zstd" else bytes(raw)
     (store / e["blob"]).write_bytes(stored)

@@ -24,7 +24,7 @@ from gkbuild.publish.fetch import fetch
 from gkbuild.publish.publish import publish
 from gkbuild.runtime import Build
 from tests.conftest import RECIPES, run_cli
-from tests.publish.conftest import put_blob, read_store, rewrite
+from tests.publish.conftest import put_blob, read_store, rewrite, unzstd
 from tests.publish.fake_hub import FakeHub
 
 
@@ -181,9 +181,7 @@ def test_a_signature_moved_from_another_build_is_refused(built, build, keys, tmp
 
 
 def signing_bytes(store, e) -> bytes:
-    import zstandard
-
-    return zstandard.ZstdDecompressor().decompressobj().decompress((store / e["blob"]).read_bytes())
+    return unzstd((store / e["blob"]).read_bytes())
 
 
 def test_a_corrupt_or_hostile_signature_is_one_line(build, keys, tmp_path):
