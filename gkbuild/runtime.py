@@ -204,6 +204,17 @@ class Build:
             if rel.startswith(prefix):
                 mapped.release(0, mapped.header.size)
 
+    def need_layer(self, i: int) -> None:
+        """Layer i's weights are about to be read: a store opener that holds its shards a layer at
+        a time (``publish.shards``) fetches them now; a folder's files are mapped whole."""
+        if self._opener is not None:
+            self._opener.need_layer(i)
+
+    def done_layer(self, i: int) -> None:
+        """Layers up to i are done with: such an opener returns their memory."""
+        if self._opener is not None:
+            self._opener.done_layer(i)
+
     def program(self, name: str):
         """A compiled program (``decode`` or ``tail``) of a cpu/cuda build, loaded only after its
         bytes, target and torch version are checked against the manifest (it is native code)."""

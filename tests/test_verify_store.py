@@ -281,3 +281,34 @@ def test_a_folder_stores_raw_blobs_are_hashed_then_mapped_where_they_lie(topo, g
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(lines) == 1, bad.stderr
     assert f"{f['blob']} (weights/expert-077.safetensors): refused: sha256" in lines[0], lines
+
+
+def test_a_stores_stacked_shards_are_held_a_layer_at_a_time(topo, tmp_path):
+    """Opened in place, every expert and attention shard (stacked on the layer axis) is held
+    without its layers' large ranges; a layer's turn fetches just them and its end returns them."""
+    from gkbuild.publish.shards import open_build
+
+    store = tmp_path / "store"
+    publish(topo, str(store), quiet=True)
+    build = open_build(str(store))
+    try:
+        for r in range(build.world_size):
+            build.load_rank(r)
+        layered = build._opener.layered
+        shards = {f["path"] for f in build.manifest["files"] if f["path"].startswith(("weights/expert-", "weights/attn-"))}
+        assert set(layered) == shards
+
+        def resident() -> int:
+            return sum(os.fstat(f.fd).st_blocks * 512 for f in layered.values())
+
+        held = resident()
+        size = sum(f["size"] for f in build.manifest["files"] if f["path"] in shards)
+        share = sum(hi - lo for f in layered.values() for lo, hi in f.spans[1])
+        assert held <= size - 2 * share + len(shards) * 8192  # neither layer's large ranges
+        build.need_layer(1)
+        assert share <= resident() - held <= share + len(shards) * 2 * 8192
+        build.done_layer(1)
+        edges = sum(len(f.spans[1]) for f in layered.values()) * 2 * 4096  # a range's partial pages stay
+        assert held <= resident() <= held + edges
+    finally:
+        build.close()

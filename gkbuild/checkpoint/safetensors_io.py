@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 # numpy is imported where arrays are made: planning needs only the specs and headers.
-_MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER = 100 * 1024 * 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
 
@@ -75,12 +75,12 @@ def read_header(path: Path) -> Header:
 
 def header_bytes(f, size: int, path) -> bytes:
     """The JSON header of a safetensors file of ``size`` bytes open as ``f`` (a local file or a
-    remote one read by range), its length bounded by the file and ``_MAX_HEADER`` before reading."""
+    remote one read by range), its length bounded by the file and ``MAX_HEADER`` before reading."""
     head = f.read(8)
     if len(head) < 8:
         raise GkError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
     (n,) = struct.unpack("<Q", head)
-    if n > min(size - 8, _MAX_HEADER):
+    if n > min(size - 8, MAX_HEADER):
         raise GkError(f"{path}: corrupt safetensors header: header length {n} exceeds the "
                       f"file's {size} bytes")
     raw = f.read(n)

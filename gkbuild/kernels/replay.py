@@ -160,6 +160,7 @@ class Replay:
         rank = {sc.ep_rank: r for r, sc in enumerate(s.scalars)}  # experts are asked for by EP rank
 
         def read(ep: int, i: int, e: int, out: tuple) -> decode.DecodedExpert:
+            s.build.need_layer(i)  # read ahead of the layer's turn: a store's shards are fetched a layer at a time
             return decode.DecodedExpert(s.tensors[rank[ep]], i, e, s.scalars[rank[ep]], out)
 
         guess = [(ep, e) for ep in rank for e in range(E_L)]
@@ -206,6 +207,7 @@ class Replay:
         (the LOCAL stream; None at layer 0, whose input is the embedding either way);
         ``routing`` [T, R, k] and ``gap`` [T, R]: the reference's choices and margins;
         ``probe`` [n, H]: the rows every expert runs on."""
+        self.s.build.need_layer(i)
         S = 1 if reference_in is None else 2
         if S == 2:
             ref = self._batch(self.to_kernel(reference_in))  # [T, B, Hp]
@@ -271,6 +273,7 @@ class Replay:
 
         self._run(fn)
         self.s.build.release_pages("weights/")  # this layer's pages are done with
+        self.s.build.done_layer(i)
         x = self._gather(S)
         shape = (self.T, len(self.rows), S)
         return LayerOut(self.to_hf(x), guide.taken[i].reshape(shape).permute(2, 0, 1),

@@ -93,6 +93,17 @@ class S3Store:
             with f:
                 yield f
 
+    def read_range(self, name: str, offset: int, n: int) -> bytes:
+        """Exactly bytes [offset, offset + n) of a blob, one ranged GET (``publish.frames``)."""
+        with self._errors():
+            try:
+                data = self.fs.cat_file(self.ref.path(name), start=offset, end=offset + n)
+            except FileNotFoundError:
+                raise GkError(f"{self.uri}/{name}: a blob is missing from the store") from None
+        if len(data) != n:
+            raise GkError(f"{self.uri}/{name}: ends before byte {offset + n}; the blob changed during the verify")
+        return data
+
     def _objects(self, folder: str) -> dict[str, dict]:
         """Objects under ``folder`` (one level): name relative to the prefix -> s3fs's details."""
         with self._errors():

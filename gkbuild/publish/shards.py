@@ -19,8 +19,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from .. import dtypes
 from ..errors import GkError
-from . import codec
+from . import codec, frames
 from .fetch import check_trust, read_manifest
 from .stores import open_store
 
@@ -67,6 +68,33 @@ def in_place_blob(store, entry: dict) -> bool:
     return entry["encoding"] == codec.RAW and hasattr(store, "blob_fd")
 
 
+def held_bytes(store, idx: dict, m: dict) -> int:
+    """The most memory the build's files take while they are verified in place: every file held
+    whole but those mapped in place and, of the shards held a layer at a time (``frames``), what is
+    not a layer's share of a large tensor plus three layers of that (the one run, the one read
+    ahead, and the frames at their edges)."""
+    L = m["model"]["num_hidden_layers"]
+    entries = {e["path"]: e for e in idx["files"]}
+    total = 0
+    for f in m["files"]:
+        e = entries.get(f["path"], {"encoding": None})
+        if in_place_blob(store, e):
+            continue
+        ts = f.get("tensors") or []
+        stacked = f["path"].startswith("weights/") and ts and all(t["shape"] and t["shape"][0] == L for t in ts)
+        big = [t for t in ts if stacked and _nbytes(t) // L >= codec.FRAME]
+        share = sum(_nbytes(t) for t in big)
+        total += f["size"] - share + 3 * share // L
+    return total
+
+
+def _nbytes(t: dict) -> int:
+    n = dtypes.dtype(t["dtype"]).itemsize
+    for d in t["shape"]:
+        n *= d
+    return n
+
+
 class _Discard:
     """A sink for ``codec.decode`` when only the hash of the bytes is wanted."""
 
@@ -85,10 +113,13 @@ class StoreFiles:
         self._entries = {f["path"]: f for f in idx["files"]}  # ``read_manifest``: the manifest's sizes and hashes
         order = [x["file"] for r in m["ranks"] for x in r["loads"]] + [x["file"] for x in m["host_files"]]
         self._shards = list(dict.fromkeys(f for f in order + sorted(self._entries) if f.startswith("weights/")))
+        self._layers = m["model"]["num_hidden_layers"]
         self._ahead: dict[str, Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fds: list[int] = []
+        self.layered: dict[str, frames.Layered] = {}  # the shards held a layer at a time
         self._lock = threading.Lock()
+        self.read = 0  # bytes read from the store's blobs
 
     def path(self, rel: str) -> Held:
         if rel.startswith("weights/") and self._ahead is None:
@@ -97,32 +128,72 @@ class StoreFiles:
         fut = (self._ahead or {}).get(rel)
         return fut.result() if fut is not None else self._read(rel)
 
+    def need_layer(self, i: int) -> None:
+        """Layer i of every shard held a layer at a time: fetched (its frames, checked) now."""
+        layered = list(self.layered.values())
+        if layered:
+            list(self._pool.map(lambda f: f.fill(i), layered))
+
+    def done_layer(self, i: int) -> None:
+        """Layers up to i are done with: their memory is returned (asked for again, they are fetched again)."""
+        for f in list(self.layered.values()):
+            for j in range(i + 1):
+                f.drop(j)
+
     def _read(self, rel: str) -> Held:
         e = self._entries[rel]
         where = f"{self.store.uri}/{e['blob']} ({rel})"
         in_place = in_place_blob(self.store, e)
         fd = self.store.blob_fd(e["blob"]) if in_place else os.memfd_create(rel.replace("/", "_"), os.MFD_CLOEXEC)
         try:
+            got = self._by_layer(rel, e, fd, where) if not in_place and rel.startswith("weights/") else None
             if in_place:
                 with open(fd, "rb", closefd=False) as src:
                     got = codec.decode(src, _Discard(), e["encoding"], e["size"], e["stored_size"], where)
-            else:
+            elif got is None:
+                os.ftruncate(fd, 0)
                 with self.store.open_blob(e["blob"]) as src, open(fd, "wb", closefd=False) as dst:
                     got = codec.decode(src, dst, e["encoding"], e["size"], e["stored_size"], where)
+            self._count(e["stored_size"])
             if got != e["sha256"]:
                 raise GkError(f"{where}: refused: sha256 {got[:16]}... is not the manifest's {e['sha256'][:16]}... "
                               f"(the blob changed since it was published)")
         except BaseException:
+            with self._lock:
+                self.layered.pop(rel, None)
             os.close(fd)
             raise
         with self._lock:
             self._fds.append(fd)
         return Held(fd, where)
 
+    def _by_layer(self, rel: str, e: dict, fd: int, where: str) -> str | None:
+        """Scan the blob into ``fd`` keeping out its layers' large ranges (``frames.scan``), which
+        ``need_layer`` fetches later; the file's sha256, or None for a blob of one large frame."""
+        os.ftruncate(fd, e["size"])
+        with self.store.open_blob(e["blob"]) as src:
+            got = frames.scan(src, e["encoding"], e["size"], e["stored_size"], where, fd, self._layers)
+        if got is None:
+            return None
+        digest, table, spans = got
+        if spans is not None and digest == e["sha256"]:
+            def read(offset: int, n: int, blob=e["blob"]) -> bytes:
+                self._count(n)
+                return self.store.read_range(blob, offset, n)
+
+            with self._lock:
+                self.layered[rel] = frames.Layered(fd, table, spans, e["encoding"], read, where)
+        return digest
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.read += n
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, None
+        self.layered.clear()
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -138,11 +209,10 @@ def open_build(uri: str, trust: list | None = None, api=None, fs=None):
     store = open_store(uri, api=api, fs=fs)
     idx, m, man_bytes = read_manifest(store)
     _, signed = check_trust(store, idx, m, man_bytes, trust)
-    held = {e["path"] for e in idx["files"] if not in_place_blob(store, e)}
-    need = sum(f["size"] for f in m["files"] if f["path"] in held)
+    need = held_bytes(store, idx, m)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise GkError(f"{store.uri}: the build's files ({need / 2**30:.1f} GiB) are held in memory as they are read; "
+        raise GkError(f"{store.uri}: the build's files take {need / 2**30:.1f} GiB of memory as they are verified; "
                       f"this host has {have / 2**30:.1f} GiB")
     build = Build.made(Where(store.uri), m, man_bytes, "hash", StoreFiles(store, idx, m))
     build.signature = signed

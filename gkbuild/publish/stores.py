@@ -134,6 +134,14 @@ class DirStore:
         with open_regular(p) as f:
             yield f
 
+    def read_range(self, name: str, offset: int, n: int) -> bytes:
+        """Exactly bytes [offset, offset + n) of a blob (``publish.frames``: a layer's frames)."""
+        with self.open_blob(name) as f:
+            data = os.pread(f.fileno(), n, offset)
+        if len(data) != n:
+            raise GkError(f"{self._at(name)}: ends before byte {offset + n}; the blob changed during the verify")
+        return data
+
     def blob_fd(self, name: str) -> int:
         """A blob opened for reading (a plain file, never through a link): the descriptor
         ``publish.shards`` hashes and then maps in place."""
@@ -319,11 +327,28 @@ class HubStore:
 
     @contextlib.contextmanager
     def open_blob(self, name: str) -> Iterator[BinaryIO]:
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=self._holding(name),
+                                          block_size=0) as f:
+            yield f
+
+    def _holding(self, name: str) -> str:
+        """The commit a blob is read from (the branch's, or a streamed build's own)."""
         sha = self.commit_sha if name in self._tree_sizes() else self.side_sha if name in self._side_tree else None
         if sha is None:
             raise GkError(f"{self.uri}: {name} is missing from the repo at {self.commit_sha}")
-        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=sha, block_size=0) as f:
-            yield f
+        return sha
+
+    def read_range(self, name: str, offset: int, n: int) -> bytes:
+        """Exactly bytes [offset, offset + n) of a blob (``publish.frames``: a layer's frames)."""
+        # a seekable file, each read one ranged GET (huggingface_hub/hf_file_system.py:1197-1205;
+        # open_blob's block_size=0 streams and cannot seek)
+        with self._errors(), self.fs.open(f"{self.ref.repo}/{name}", "rb", revision=self._holding(name),
+                                          cache_type="none") as f:
+            f.seek(offset)
+            data = f.read(n)
+        if len(data) != n:
+            raise GkError(f"{self.uri}: {name} ends before byte {offset + n}; the blob changed during the verify")
+        return data
 
     def stored(self) -> dict[str, int]:
         """Blobs present: the branch's, and those a streamed build committed to its own branch."""
