@@ -1,12 +1,15 @@
 """A published build opened where it is stored: each file read from its blob when the runtime
 first asks for it (its shards read ahead, side by side, from the first one on), decoded
 (``codec``, as a fetch does) and hashed on the way, and refused by name if its bytes are not the
-manifest's. A raw blob of a folder store is that file's bytes where they lie: it is hashed in
-one streamed read and then mapped in place (read-only, as a build folder's file is: the memory is
-the page cache's, dropped layer by layer as the twins go). Any other file (a zstd blob, or a blob
-of S3 or the hub) is decoded into an anonymous in-memory file (``memfd``) that the runtime maps
-the same way, so everything past "where are the bytes" is the same code; nothing lands on local
-disk, and the memory goes when the build is closed.
+manifest's. Where the bytes then are:
+- a raw blob of a folder store is the file's bytes where they lie: hashed in one streamed read,
+  then mapped in place (read-only, as a build folder's file is);
+- a shard stacked on the layer axis (experts, attention) is held in an anonymous in-memory file
+  (``memfd``) without its layers' large ranges, which are fetched a layer at a time as the twins
+  come to it and punched out after (``frames``; ``need_layer``/``done_layer``);
+- any other file is decoded into a ``memfd`` whole.
+The runtime maps each as it maps a file of a build folder, so everything past "where are the
+bytes" is the same code; nothing lands on local disk, and the memory goes when the build is closed.
 
 The store's index and manifest are checked first (``fetch.read_manifest``), and with ``trust`` the
 signature over the manifest (``fetch.check_trust``), before any shard is read.
