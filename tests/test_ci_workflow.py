@@ -36,7 +36,8 @@ def _commands(wf: dict, job: str = "build") -> list[list[str]]:
     job = wf["jobs"][job]
     env = {"RECIPE": "recipes/tiny-cpu.yaml", "GOLDEN": "goldens/tiny.safetensors", "OUT": "artifacts/x",
            "STORE": "s3://bucket/builds", "SCRATCH": "8GiB", "NEFF": "--require-neff", "KEY": "0123456789abcdef",
-           "SIGNER": "https://github.com/org/gk/.github/workflows/build-artifacts.yml@refs/tags/build-1"}
+           "SIGNER": "https://github.com/org/gk/.github/workflows/build-artifacts.yml@refs/tags/build-1",
+           "SOURCE": "hf://openai/gpt-oss-120b@main", "KV": "fp8_e4m3", "K_SCALE": "1.0", "V_SCALE": "1.0"}
     cmds = []
     for step in job["steps"]:
         for line in step.get("run", "").splitlines():
@@ -60,12 +61,53 @@ def test_the_workflow_streams_the_build_into_the_store_then_fetches_verifies_and
     job = wf["jobs"]["build"]
     steps = job["steps"]
     assert job["env"]["STORE"].startswith("${{ vars.GKBUILD_STORE ||") and "GKBUILD_SCRATCH_LIMIT" in job["env"]["SCRATCH"]
-    # a recipe without a golden (120b) is never fetched back onto the runner's disk
+    # a recipe without a stored golden (120b) is never fetched back onto the runner's disk
     later = [s for s in steps if any(f"gkbuild {c}" in s.get("run", "") for c in ("fetch", "verify", "check"))]
-    assert len(later) == 3 and all(s["if"] == "env.GOLDEN != 'none'" for s in later)
+    assert len(later) == 3 and all(s["if"] == "env.GOLDEN != 'none' && env.GOLDEN != 'source'" for s in later)
     assert "secrets.HF_TOKEN" in job["env"]["HF_TOKEN"]
     assert any(s.get("run", "").strip() == "make install" for s in steps)
     assert cli.commands["compile"].make_context("compile", build[1:])  # every option exists
+
+
+def test_a_build_too_large_to_fetch_is_verified_in_the_store_against_a_golden_of_its_source():
+    """GKBUILD_GOLDEN=source: a job after the build computes the golden from the build's own source
+    (read by range, in the build's KV format, one pass of 4 x 32), kept as an artifact named by the
+    source's content, and verifies the store in place under the scratch limit, trusting only this workflow's signature;
+    it signs nothing and keeps the golden and the report."""
+    wf = _workflow()
+    job = wf["jobs"]["verify-in-place"]
+    assert job["needs"] == "build" and "== 'source'" in job["if"] and "vars.GKBUILD_STORE != ''" in job["if"]
+    assert job["permissions"] == {"contents": "read"}
+    outputs = wf["jobs"]["build"]["outputs"]
+    for var, out in (("SOURCE", "source"), ("KV", "kv"), ("K_SCALE", "k-scale"), ("V_SCALE", "v-scale")):
+        assert job["env"][var] == f"${{{{ needs.build.outputs.{out} }}}}" and "steps.compile.outputs." in outputs[out]
+    compile_step = next(s for s in wf["jobs"]["build"]["steps"] if s.get("id") == "compile")
+    for key in ("source", "sha256", "kv", "k_scale", "v_scale"):
+        assert f"{key}=" in compile_step["run"] and outputs[{"sha256": "source-sha256"}.get(key, key.replace("_", "-"))]
+    golden, verify = _commands(wf, "verify-in-place")
+    assert golden[:2] == ["golden", "hf://openai/gpt-oss-120b@main"]
+    assert golden[golden.index("--prompts") + 1] == "4" and golden[golden.index("--prompt-len") + 1] == "32"
+    assert golden[golden.index("--steps") + 1] == "0" and golden[golden.index("--kv") + 1] == "fp8_e4m3"
+    out = golden[golden.index("--out") + 1]
+    assert verify[:2] == ["verify", "s3://bucket/builds"] and verify[verify.index("--golden") + 1] == out
+    assert verify[verify.index("--scratch-limit") + 1] == "8GiB" and "--trust" in verify
+    steps = job["steps"]
+    assert not any(s.get("uses", "").startswith("actions/cache@") for s in steps)  # no poisonable reference
+    kept = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact") and s["with"]["path"] == out)
+    assert "needs.build.outputs.source-sha256" in kept["with"]["name"] and "needs.build.outputs.kv" in kept["with"]["name"]
+    # the same arguments a golden and verify of this CLI take, and a compile report that has them
+    assert cli.commands["golden"].make_context("golden", golden[1:])
+    assert cli.commands["verify"].make_context("verify", verify[1:])
+
+
+def test_the_compile_report_names_the_source_a_golden_of_the_build_is_computed_from(tmp_path):
+    from gkbuild.golden import checkpoint_hash
+    from gkbuild.reference import build_kv
+
+    r = compile_build(recipe.load(ROOT / "recipes" / "tiny-cpu.yaml"), out=tmp_path / "b", quiet=True, compile=False)
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert r.summary()["source"] == {"uri": m["source"]["uri"], "sha256": checkpoint_hash(m["source"]["files"]),
+                                     "kv": build_kv(m).to_meta()}
 
 
 def test_the_build_job_keeps_the_verify_report_as_an_artifact():
@@ -142,7 +184,7 @@ def test_the_build_is_signed_keyless_by_the_runner_and_the_fetching_job_trusts_t
 
 def test_every_gkbuild_command_in_the_workflow_parses(monkeypatch):
     monkeypatch.setenv("GKBUILD_COMPILE_CACHE", "s3://bucket/cache")  # as the jobs' env gives it
-    for args in [c for job in ("build", "verify-on-trainium", "plan", "farm") for c in _commands(_workflow(), job)]:
+    for args in [c for job in _workflow()["jobs"] for c in _commands(_workflow(), job)]:
         cmd = cli.commands[args[0]]
         cmd.make_context(args[0], list(args[1:]))  # raises click.UsageError on an unknown option
 

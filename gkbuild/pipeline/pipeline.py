@@ -64,8 +64,17 @@ class BuildResult:
         return any(s.status == "ran" for s in self.stages)
 
     def summary(self) -> dict:
+        """What ``compile --json`` prints. ``source``: the checkpoint (its URI, the content hash a
+        golden of it records, the KV format a golden for this build emulates): what CI keys and
+        computes the golden of a build by."""
+        from ..golden import checkpoint_hash
+        from ..reference import build_kv
+
         m = self.manifest
+        source = {"uri": m["source"]["uri"], "sha256": checkpoint_hash(m["source"]["files"]),
+                  "kv": build_kv(m).to_meta()}
         return {"build": str(self.out), "build_id": m["build_id"], "name": m["name"], "target": m["target"],
+                "source": source,
                 "ranks": m["topology"]["world_size"], "files": len(m["files"]),
                 "bytes": sum(f["size"] for f in m["files"]), "shards_written": self.shards_written,
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3),
