@@ -7,8 +7,9 @@ Steps (each a fresh ``$GKBUILD_CACHE`` and ``$TMPDIR`` under the scratch folder,
 - ``golden``: ``golden SRC`` at 4 sequences x 32 positions given whole (``--prompt-len 32 --steps
   0``: no greedy pass), so one layer-major pass reads every layer's weights once;
 - ``verify``: ``verify DIR/store --golden G`` in place (raw blobs hashed, then mapped where they lie);
-- ``build-s3``: the streamed build into an S3 store on 127.0.0.1 (``moto_ranged.py``), after the
-  folder store is removed (both do not fit this disk at 36 layers).
+- ``build-s3``: the streamed build into an S3 store on 127.0.0.1 (``moto_ranged.py``, its objects
+  spooled under the scratch folder), after the folder store is removed (both do not fit this disk
+  at 36 layers); ``verify-s3``: verify of that store in place.
 Measured for each: wall, CPU (user + system of the tree), peak RSS (largest process), peak local
 disk (cache + TMPDIR, beyond the store), bytes read (the source's, as the command reports them,
 against the source's size; for verify, what its processes read from storage against the build's
@@ -36,7 +37,7 @@ from tests.s3server import moto_server  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
 RECIPE = str(ROOT / "recipes" / "gpt-oss-120b-trn3.yaml")
-STEPS = ("build-dir", "golden", "verify", "build-s3")
+STEPS = ("build-dir", "golden", "verify", "build-s3", "verify-s3")
 
 
 def step(name: str, cmd: list[str], d: Path) -> dict:
@@ -85,16 +86,26 @@ def main() -> None:
                                 "--json", "-q"], d)
             r["store_bytes"] = store_bytes(store)
             rows.append(r)
-        if "build-s3" in a.only:
-            shutil.rmtree(store, ignore_errors=True)
+        if {"build-s3", "verify-s3"} & set(a.only):
+            shutil.rmtree(store, ignore_errors=True)  # both stores do not fit this disk at 36 layers
             ranged = [sys.executable, str(Path(__file__).with_name("moto_ranged.py"))]
+            (d / "moto-tmp").mkdir(exist_ok=True)
+            tmp = os.environ.get("TMPDIR")
+            os.environ["TMPDIR"] = str(d / "moto-tmp")  # the server's spooled objects: the store, not scratch
             with moto_server(server=ranged, log=str(d / "moto.log")):
                 import boto3
 
+                os.environ.pop("TMPDIR") if tmp is None else os.environ.update(TMPDIR=tmp)
                 boto3.client("s3").create_bucket(Bucket="dst")
-                os.environ["TMPDIR"] = str(d / "moto-tmp")  # the server's spooled objects: the store, not scratch
-                rows.append(step("build-s3", [GK, "compile", RECIPE, "--set", f"source={src}", "--to", "s3://dst/b",
-                                              "--no-compile", "--scratch-limit", a.scratch_limit, "--json", "-q"], d))
+                r = step("build-s3", [GK, "compile", RECIPE, "--set", f"source={src}", "--to", "s3://dst/b",
+                                      "--no-compile", "--scratch-limit", a.scratch_limit, "--json", "-q"], d)
+                r["store_bytes"] = store_bytes(d / "moto-tmp")
+                rows.append(r)
+                if "verify-s3" in a.only:
+                    r = step("verify-s3", [GK, "verify", "s3://dst/b", "--golden", str(golden), "--scratch-limit",
+                                           a.scratch_limit, "--json", "-q"], d)
+                    r["store_bytes"] = rows[-1]["store_bytes"]
+                    rows.append(r)
             shutil.rmtree(d / "moto-tmp", ignore_errors=True)
         with open(d / "rows.jsonl", "a") as f:
             for r in rows:

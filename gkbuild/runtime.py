@@ -204,6 +204,13 @@ class Build:
             if rel.startswith(prefix):
                 mapped.release(0, mapped.header.size)
 
+    @property
+    def store_read(self) -> dict | None:
+        """Of a build read from a store: {"read": bytes read from its blobs, "stored": their size}."""
+        if self._opener is None:
+            return None
+        return {"read": self._opener.read, "stored": self._opener.stored}
+
     def need_layer(self, i: int) -> None:
         """Layer i's weights are about to be read: a store opener that holds its shards a layer at
         a time (``publish.shards``) fetches them now; a folder's files are mapped whole."""

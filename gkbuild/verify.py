@@ -154,6 +154,7 @@ class Report:
     prefilled: int = 0  # positions whose KV came from a DI prefill (the decode ran from there on)
     unjudged: int = 0  # positions left unjudged: from a true tie of the reference a compiled program cannot be steered at
     stages: dict = field(default_factory=dict)  # {stage: {"wall": s, "cpu": s}} where the verify's time went
+    store_read: dict | None = None  # a store verified in place: {"read": bytes from its blobs, "stored": their size}
 
     @property
     def too_many_forced(self) -> bool:
@@ -209,6 +210,7 @@ class Report:
                 "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "positions_unjudged": self.unjudged,
                 "stages": {k: {"wall": round(v["wall"], 3), "cpu": round(v["cpu"], 3)} for k, v in self.stages.items()},
+                "store_read": self.store_read,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -390,6 +392,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
     rep.unmodeled = unmodeled_switches(m)
     rep.stages = clock.spent
+    rep.store_read = build.store_read
     return rep
 
 

@@ -123,6 +123,7 @@ class StoreFiles:
         self.layered: dict[str, frames.Layered] = {}  # the shards held a layer at a time
         self._lock = threading.Lock()
         self.read = 0  # bytes read from the store's blobs
+        self.stored = sum(e["stored_size"] for e in idx["files"])  # what they hold
 
     def path(self, rel: str) -> Held:
         if rel.startswith("weights/") and self._ahead is None:
