@@ -127,7 +127,7 @@ def table(rows: list[dict]) -> None:
             elif r["step"] == "golden":
                 read = f"{rep['bytes_read'] / rep['source_bytes']:.2f}x source"
             else:
-                read = f"{r['read_bytes'] / r['store_bytes']:.2f}x store (storage reads)"
+                read = f"{rep['store_read']['read'] / rep['store_read']['stored']:.2f}x store"
         print(f"| {r['step']} | {r['wall']:.0f} s | {r['cpu']:.0f} s | {gib(r['rss'])} | {gib(r['disk'])} | "
               f"{read} | {r['load'][0]:.1f} -> {r['load'][1]:.1f} |")
 
