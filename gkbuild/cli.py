@@ -355,15 +355,15 @@ def check(build_dir, quiet):
     note(f"ok: {len(m['files'])} files match the manifest (build {m['build_id'][:16]})", quiet)
 
 
-def _prompt_ids(text: str | None) -> list[list[int]] | None:
+def _prompt_ids(text: str | None, option: str = "--prompt-ids") -> list[list[int]] | None:
     if not text:
         return None
     try:
         prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
     except ValueError:
-        raise GkError(f"--prompt-ids: {text!r} is not a list like '1,2,3;4,5,6'") from None
+        raise GkError(f"{option}: {text!r} is not a list like '1,2,3;4,5,6'") from None
     if not prompts or not all(prompts):
-        raise GkError("--prompt-ids: give one or more prompts of at least one id each, ';'-separated")
+        raise GkError(f"{option}: give one or more lists of at least one id each, ';'-separated")
     return prompts
 
 
@@ -393,53 +393,138 @@ _DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="
 @_PROMPT
 @_CHAT
 @click.option("--prompt-ids", default=None, help="Prompts as token ids: '1,2,3;4,5,6'.")
+@click.option("--continuation", "continuations", multiple=True, metavar="TEXT",
+              help="The given continuation of each --prompt, in order (repeatable, one a prompt): tokenized with the "
+                   "checkpoint's tokenizer, appended with no template around it. Makes the golden --forced.")
+@click.option("--continuation-ids", default=None,
+              help="The continuation of each --prompt-ids prompt as token ids: '7,8;9,10'. Makes the golden --forced.")
+@click.option("--forced", is_flag=True,
+              help="Teacher-forced: the whole sequence (prompt + continuation) is given and the reference runs every "
+                   "position in one layer-major pass, each weight read once (~1x the checkpoint). Without --prompt "
+                   "or --prompt-ids the continuation is --steps random tokens. Use it for a remote or large source; "
+                   "the default greedy mode reads each generated position's experts again (~3.6x at 120b, 4 x 32).")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, 1 << 12), default=4, show_default=True,
               help="Random prompts, when no --prompt or --prompt-ids.")
 @click.option("--prompt-len", type=click.IntRange(1, 1 << 16), default=4, show_default=True,
               help="Length of the random prompts.")
 @click.option("--steps", type=click.IntRange(0, 1 << 16), default=16, show_default=True,
-              help="Greedy continuation steps after the longest prompt (shorter prompts continue greedily to it).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
+              help="Greedy continuation steps after the longest prompt (shorter prompts continue greedily to it); "
+                   "with --forced and random prompts, the random continuation's length; refused with a given "
+                   "continuation (its length is the continuation's).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random prompts (and forced continuations).")
 @click.option("--kv", "kv_dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e4m3fn", "fp32"]), default="bf16",
               show_default=True, help="The KV cache the reference emulates: the build's kv dtype (trn2 FP8 is "
                                       "fp8_e4m3, trn3/cpu/cuda fp8_e4m3fn); fp32 keeps it exact.")
 @click.option("--k-scale", type=float, default=1.0, show_default=True, help="FP8 K dequant scale (the recipe's).")
 @click.option("--v-scale", type=float, default=1.0, show_default=True, help="FP8 V dequant scale (the recipe's).")
 @_DEVICE
+@click.option("--scratch-limit", default=None, metavar="SIZE",
+              help="The most local disk ($GKBUILD_CACHE and $TMPDIR) the golden may take, sampled as it runs (an "
+                   "hf:// or s3:// source is read by range, never mirrored); over it, it fails.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print what was read as JSON: mode, sequences, positions, source, source_bytes, bytes_read, "
+                   "hash_bytes_read, ratio, wall_s, cpu_s, peak_rss_bytes, peak_disk_bytes.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def golden(checkpoint, out_file, texts, chat, prompt_ids, n_prompts, prompt_len, steps, seed, kv_dtype, k_scale, v_scale,
-           device, quiet):
+@click.pass_context
+def golden(ctx, checkpoint, out_file, texts, chat, prompt_ids, continuations, continuation_ids, forced, n_prompts,
+           prompt_len, steps, seed, kv_dtype, k_scale, v_scale, device, scratch_limit, as_json, quiet):
     """Compute a checkpoint's reference logits, to verify builds against later.
 
-    Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV or synth://PRESET...): each
-    prompt plus a greedy continuation, with per-layer hidden states, router choices and margins,
-    the final norm's output and every expert on fixed probe rows, saved as safetensors so a build
-    can be verified without transformers. The reference streams the checkpoint one decoder layer at
-    a time through transformers' GPT-OSS modules (fp32), decodes MXFP4 with transformers' own
+    Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV, s3://BUCKET/PREFIX or
+    synth://PRESET...; remote ones read by range): each prompt plus a greedy continuation, or with
+    --forced a given one, with per-layer hidden states, router choices and margins, the final
+    norm's output and every expert on fixed probe rows, saved as safetensors so a build can be
+    verified without transformers. The reference streams the checkpoint one decoder layer at a
+    time through transformers' GPT-OSS modules (fp32), decodes MXFP4 with transformers' own
     dequantization, and rounds K/V as the build's --kv cache does.
+
+    Bytes read from the source: greedy runs one pass for the prompts and one per generated
+    position, each re-reading the experts it routes to (a 36-layer 120b at 4 x 32: ~220 GB of a
+    61 GB checkpoint); --forced runs one pass and reads each weight once (~1x, plus the files'
+    sha256 when neither the listing nor the fingerprint cache knows it). verify takes either.
 
     Examples:
       gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --chat
       gkbuild golden hf://openai/gpt-oss-120b --out g.safetensors --prompt "..." --kv fp8_e4m3
+      gkbuild golden s3://bucket/gpt-oss-120b --out g.safetensors --forced --prompts 4 --prompt-len 4 --steps 28 \\
+          --scratch-limit 2GiB --json
+      gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --continuation " Paris."
     """
+    import resource
+    import time
+
     from .checkpoint.source import model_config, open_source, parse
     from .golden import default_prompts, for_checkpoint, replaceable
     from .reference import KvFormat, check_size
 
+    wall, cpu = time.monotonic(), time.process_time()
     fmt = KvFormat(kv_dtype, k_scale, v_scale)
     spec = parse(checkpoint, base=Path.cwd())
     replaceable(out_file)  # before minutes of compute
+    limit = parse_size(scratch_limit, "--scratch-limit") if scratch_limit is not None else None
+    if continuations and not texts:
+        raise GkError("--continuation continues a --prompt: give the prompts as text too (one a continuation)")
+    if continuation_ids and not prompt_ids:
+        raise GkError("--continuation-ids continues --prompt-ids prompts: give those too (one a continuation)")
+    given_steps = ctx.get_parameter_source("steps") is not click.core.ParameterSource.DEFAULT
+    if (continuations or continuation_ids) and given_steps:
+        raise GkError("--steps with a given continuation: the continuation sets the positions; leave --steps out")
+    forced = forced or bool(continuations or continuation_ids)
+    if forced and (texts or prompt_ids) and not (continuations or continuation_ids):
+        raise GkError("--forced with given prompts needs their continuations (--continuation or --continuation-ids)")
     given = _text_prompts(spec, texts, chat, prompt_ids)
     cfg = model_config(spec)
     vocab = cfg.V
-    prompts, meta = given if given else (_prompt_ids(prompt_ids) or default_prompts(vocab, n_prompts, prompt_len, seed),
-                                         None)
-    if any(not 0 <= t < vocab for p in prompts for t in p):
+    cont = None
+    if given:
+        prompts, meta = given
+        if continuations:
+            from . import text
+
+            cont = text.encode(text.tokenizer(spec), list(continuations))
+            meta["continuations"] = list(continuations)
+    elif prompt_ids:
+        prompts, meta = _prompt_ids(prompt_ids), None
+        if continuation_ids:
+            cont = _prompt_ids(continuation_ids, "--continuation-ids")
+    elif forced:
+        seqs, meta = default_prompts(vocab, n_prompts, prompt_len + steps, seed), None
+        prompts, cont = [s[:prompt_len] for s in seqs], [s[prompt_len:] for s in seqs]
+    else:
+        prompts, meta = default_prompts(vocab, n_prompts, prompt_len, seed), None
+    if any(not 0 <= t < vocab for p in prompts + (cont or []) for t in p):
         raise GkError(f"--prompt-ids: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-    check_size(cfg, prompts, steps)
-    g = for_checkpoint(open_source(spec), prompts, steps, fmt, device, quiet, meta)
+    if cont is not None:
+        from .golden import forced_sequences
+
+        check_size(cfg, forced_sequences(prompts, cont), 0)
+    else:
+        check_size(cfg, prompts, steps)
+    reads: dict = {}
+
+    def work():
+        return for_checkpoint(open_source(spec, ranged=True), prompts, steps, fmt, device, quiet or as_json, meta,
+                              cont, reads)
+
+    if limit is None:
+        g, disk = work(), None
+    else:
+        from .scratch import within
+
+        g, disk = within(limit, "golden", work)
     g.save(out_file)
-    note(f"wrote {out_file}: {len(prompts)} sequences x {g.token_ids.shape[1]} positions, {kv_dtype} KV")
+    P, T = g.token_ids.shape
+    if as_json:
+        read, size = reads.get("bytes"), reads.get("source_bytes")
+        click.echo(json.dumps({
+            "mode": g.meta["mode"], "sequences": P, "positions": T, "source": spec.uri, "out": str(out_file),
+            "source_bytes": size, "bytes_read": read, "hash_bytes_read": reads.get("hash_bytes"),
+            "ratio": read / size if read is not None and size else None,
+            "wall_s": time.monotonic() - wall, "cpu_s": time.process_time() - cpu,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_disk_bytes": disk}, indent=2))
+    else:
+        note(f"wrote {out_file}: {P} sequences x {T} positions ({g.meta['mode']}), {kv_dtype} KV")
 
 
 def _trust_options(f):
@@ -529,7 +614,9 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
               loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device, trust=trust or None)
     if scratch_limit is not None:
-        reports = [_verify_within(parse_size(scratch_limit, "--scratch-limit"), lambda: run(build_dir, **kw))]
+        from .scratch import within
+
+        reports = [within(parse_size(scratch_limit, "--scratch-limit"), "verify", lambda: run(build_dir, **kw))[0]]
     elif prefill is None:
         reports = [run(build_dir, **kw)]
     else:
@@ -561,25 +648,6 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     for rep in reports:
         if not rep.ok:
             raise GkError(rep.failure())
-
-
-def _verify_within(limit: int, verify):
-    """``verify()``, the local disk it adds under $GKBUILD_CACHE and $TMPDIR sampled as it runs;
-    one line if that passed ``limit``."""
-    import tempfile
-
-    from .checkpoint.source import cache_root
-    from .pipeline.stream import DiskWatch
-    from .summary import human_bytes
-
-    roots = [p for p in (cache_root(), Path(tempfile.gettempdir())) if p.is_dir()]
-    with DiskWatch(*roots) as disk:
-        before = disk.peak
-        rep = verify()
-    if disk.peak - before > limit:
-        raise GkError(f"--scratch-limit {human_bytes(limit)}: the verify took {human_bytes(disk.peak - before)} "
-                      f"of local disk")
-    return rep
 
 
 def _print_verify(rep) -> None:

@@ -1,5 +1,13 @@
 """Golden files: the streamed reference's logits (``gkbuild.reference``), teacher-forced over
-prompt + greedy continuation, saved as safetensors so CI can verify a build without transformers.
+prompt + continuation, saved as safetensors so CI can verify a build without transformers.
+
+Two modes (meta ``mode``): ``greedy`` continues each prompt with the reference's own argmax, one
+reference pass a generated position, each pass reading its routed experts again (a 36-layer 120b
+at 4 x 32: ~220 GB read for a 61 GB checkpoint); ``forced`` is given the continuation (text, ids,
+or a random one) and runs every position in ONE layer-major pass, each weight read once (~1x the
+checkpoint). On the same tokens the two agree to float rounding, not bit for bit: this host's
+MKL fp32 GEMM takes another kernel for fewer than 16 rows, so a greedy pass's few rows round
+differently from the same rows in the one big pass (tests/test_golden_range.py measures it).
 
 A golden file holds ``token_ids`` [P, T] (prompt then continuation), ``logits`` [P, T, V] (the
 logits after each token: position t predicts token t+1), ``hidden`` [P, L, T, H] (the residual
@@ -39,6 +47,20 @@ def checkpoint_hash(files: list[dict]) -> str:
     """One hash for a checkpoint: its files' names and sha256s (as the manifest lists them)."""
     items = sorted((f["name"], f["sha256"]) for f in files)
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def forced_sequences(prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """Each prompt followed by its continuation; one line when they do not pair one-to-one or the
+    sequences are not of one length (a golden is rectangular, [P, T])."""
+    if len(prompts) != len(continuations):
+        raise GkError(f"{len(prompts)} prompt(s) and {len(continuations)} continuation(s): give one continuation "
+                      f"a prompt, in order")
+    seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    lens = [len(x) for x in seqs]
+    if len(set(lens)) > 1:
+        raise GkError(f"forced sequences (prompt + continuation) have lengths {lens} tokens; a forced golden needs "
+                      f"them all of one length")
+    return seqs
 
 
 def default_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -188,9 +210,11 @@ def _values_problem(h, t: dict) -> str | None:
 
 
 def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None,
-            kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True, text: dict | None = None) -> Golden:
+            kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True, text: dict | None = None,
+            continuations: list[list[int]] | None = None) -> Golden:
     """Run the streamed reference: greedy continuation of each prompt to the longest prompt's
-    length plus ``steps`` tokens, every position's logits, per-layer hidden states, experts and
+    length plus ``steps`` tokens (or, given ``continuations``, each prompt + its continuation in
+    one pass, ``steps`` unused), every position's logits, per-layer hidden states, experts and
     router margins, the final norm's output and every expert on the probe rows, K/V stored as
     ``kv``. ``text``: {"prompts": [...], "chat": bool} when the prompts were given as text."""
     try:
@@ -199,33 +223,49 @@ def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_fil
         raise GkError("computing reference logits needs transformers (pip install transformers)") from None
     from . import reference
 
-    out = reference.run(ckpt_dir, prompts, steps, kv, device, quiet)
-    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "steps": steps,
+    forced = continuations is not None
+    seqs = forced_sequences(prompts, continuations) if forced else prompts
+    out = reference.run(ckpt_dir, seqs, 0 if forced else steps, kv, device, quiet)  # equal lengths: one pass
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__,
+            "mode": "forced" if forced else "greedy", "steps": None if forced else steps,
             "vocab_size": out["logits"].shape[-1], "kv": kv.to_meta(), "device": device,
             "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None, **(text or {})}
     return Golden(**out, prompt_lens=[len(p) for p in prompts], meta=meta)
 
 
 def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf16"), device: str = "cpu",
-                   quiet: bool = True, text: dict | None = None) -> Golden:
+                   quiet: bool = True, text: dict | None = None, continuations: list[list[int]] | None = None,
+                   reads: dict | None = None) -> Golden:
     """Reference logits for a checkpoint folder (or a ``checkpoint.ranged.Remote``, read by range),
-    recording its content hash."""
+    recording its content hash. ``reads``, if given, is filled with what was read: ``hash_bytes``
+    (read to hash files the listing or the fingerprint cache did not vouch for) and, for a remote,
+    ``bytes`` (every byte read from it, the hash's included) and ``source_bytes``."""
     from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
     from .checkpoint.source import cache_root
 
+    reads = {} if reads is None else reads
     fps = Fingerprints(cache_root())
     if not isinstance(root, Path):
-        return compute(root, prompts, steps, remote_files(root, fps), kv, device, quiet, text)
-    names = ["config.json"] + ([INDEX] if (root / INDEX).exists() else []) + weight_files(root)
-    files = []
+        files = remote_files(root, fps)
+        reads["hash_bytes"] = root.read_bytes
+        g = compute(root, prompts, steps, files, kv, device, quiet, text, continuations)
+        reads["bytes"] = root.read_bytes
+        reads["source_bytes"] = sum(root.file(n).size for n in root.weight_files()[0])
+        return g
+    weights = weight_files(root)
+    names = ["config.json"] + ([INDEX] if (root / INDEX).exists() else []) + weights
+    files, hashed = [], 0
     for n in names:
         p = root / n
-        digest = fps.lookup(p) or sha256_file(p)
+        digest = fps.lookup(p)
+        if digest is None:
+            digest, hashed = sha256_file(p), hashed + p.stat().st_size
         fps.remember(p, digest)
         files.append({"name": n, "sha256": digest})
     fps.save()
-    return compute(root, prompts, steps, files, kv, device, quiet, text)
+    reads.update(hash_bytes=hashed, bytes=None, source_bytes=sum((root / n).stat().st_size for n in weights))
+    return compute(root, prompts, steps, files, kv, device, quiet, text, continuations)
 
 
 def remote_files(remote, fps) -> list[dict]:

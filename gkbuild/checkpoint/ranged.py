@@ -85,6 +85,7 @@ class Remote:
             self.fs = fs
         self._files: dict[str, RemoteFile] | None = None
         self._open: dict[str, object] = {}
+        self.read_bytes = 0  # every byte read from the source (headers, hashes and tensors alike)
 
     def errors(self):
         if self.kind == "s3":
@@ -170,6 +171,7 @@ class Remote:
                 data = h.read(n)
             except expired:
                 raise GkError(f"source {self.uri}/{name}: changed since the build listed it; run again") from None
+        self.read_bytes += len(data)
         if len(data) != n:
             raise GkError(f"source {self.uri}/{name}: ended at byte {start + len(data)}, expected {start + n}")
         return data

@@ -147,10 +147,11 @@ def synth_by_range(spec: SourceSpec) -> bool:
     return sum(s.nbytes for s in names.expected_specs(synth_config(spec))) > SYNTH_DISK_MAX
 
 
-def open_source(spec: SourceSpec, advance: Advance = lambda n: None):
+def open_source(spec: SourceSpec, advance: Advance = lambda n: None, ranged: bool = False):
     """What a reader of the whole checkpoint (the golden) opens: a ``checkpoint.ranged.Remote``
-    for a source read by range (``synth_by_range``), else the local folder (``materialize``)."""
-    if synth_by_range(spec):
+    for a source read by range (``synth_by_range``; with ``ranged``, hf:// and s3:// too: no
+    mirror on local disk), else the local folder (``materialize``)."""
+    if synth_by_range(spec) or (ranged and spec.kind in ("hf", "s3")):
         from .ranged import connect
 
         return connect(spec.uri)

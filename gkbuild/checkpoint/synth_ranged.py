@@ -56,6 +56,7 @@ class SynthRemote(Remote):
         if self.pin.setdefault("synth", TAG) != TAG:
             raise GkError(f"source {self.uri}: synthesized by {self.pin['synth']}, this gkbuild makes {TAG}")
         self.cfg: GptOssConfig = synth_config(spec)
+        self.read_bytes = 0
         weights = synth.weight_files(self.cfg)
         self._meta = {"config.json": synth.config_bytes(self.cfg, self.seed), INDEX: synth.index_bytes(weights)}
         self._weights = {}
@@ -77,6 +78,7 @@ class SynthRemote(Remote):
         size = self.file(name).size
         if start < 0 or n < 0 or start + n > size:
             raise GkError(f"source {self.uri}/{name}: no bytes [{start}, {start + n}) in its {size}")
+        self.read_bytes += n
         if name in self._meta:
             return bytearray(self._meta[name][start:start + n])
         w = self._weights[name]
