@@ -21,7 +21,8 @@ SECTION_OF = {
     # what a command reads: recipe values, prompts, the reference's inputs
     "--set": "Source", "--vary": "Source", "--layers": "Source", "--seed": "Source", "--golden": "Source",
     "--prompt": "Source", "--chat": "Source", "--prompt-ids": "Source", "--prompts": "Source",
-    "--prompt-len": "Source", "--steps": "Source", "--kv": "Source", "--k-scale": "Source", "--v-scale": "Source",
+    "--prompt-len": "Source", "--continuation": "Source", "--continuation-ids": "Source", "--forced": "Source",
+    "--steps": "Source", "--kv": "Source", "--k-scale": "Source", "--v-scale": "Source",
     "--host-profile": "Source", "--target": "Source", "--kernels": "Source",
     # what it writes or prints, and where
     "--out": "Output", "--to": "Output", "--max-shard-size": "Output", "--level": "Output", "--report": "Output",

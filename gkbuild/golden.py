@@ -22,7 +22,6 @@ checkpoint's content hash and the tool versions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 
 from . import jsonio
 from .errors import GkError
+from .pipeline.manifest import checkpoint_hash
 from .reference import KvFormat
 
 FORMAT = "gkbuild-golden-3"
@@ -41,12 +41,6 @@ OLDER = {"gkbuild-golden-1": "no KV format, no router margins",
          "gkbuild-golden-2": "no per-expert probes, no final-norm output"}
 # 4 prompts x 64 positions of the 120b model, with every expert's probe outputs, are ~0.6 GB
 MAX_GOLDEN = 8 << 30
-
-
-def checkpoint_hash(files: list[dict]) -> str:
-    """One hash for a checkpoint: its files' names and sha256s (as the manifest lists them)."""
-    items = sorted((f["name"], f["sha256"]) for f in files)
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
 
 
 def forced_sequences(prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:

@@ -35,6 +35,7 @@ from . import heap, hf_mxfp4, jsonio, parallel
 from .checkpoint import names
 from .checkpoint.reader import Checkpoint
 from .errors import GkError
+from .pipeline.manifest import kv_meta
 from .progress import steps_bar
 
 FP8_MAX = {"fp8_e4m3": 240.0, "fp8_e4m3fn": 448.0}
@@ -308,11 +309,7 @@ def probe_rows(hidden: int, n: int = PROBES, seed: int = 0) -> torch.Tensor:
 
 def build_kv(m: dict) -> KvFormat:
     """The KV format a build's kernel stores (dtype and dequant scales), from its manifest."""
-    kv = m["layout"]["kv"]
-    if kv["dtype"] == "bf16":
-        return KvFormat("bf16")
-    rk = m["recipe"]["resolved"]["kv_cache"]
-    return KvFormat(kv["dtype"], float(rk["k_scale"]), float(rk["v_scale"]))
+    return KvFormat.from_meta(kv_meta(m))
 
 
 def host_memory() -> int:

@@ -324,7 +324,8 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     (``di.decode.pull``); the build then decodes step by step, and is judged, from position N-1 on.
     ``build_dir`` may be a store (``publish.shards``): each file is read from its blob and hashed
     as the twins first need it; ``trust`` (``signing.trust_list``): who must have signed the build."""
-    from .golden import Golden, checkpoint_hash
+    from .golden import Golden
+    from .pipeline.manifest import checkpoint_hash
     from .runtime import Build
 
     if device == "cuda" and not torch.cuda.is_available():

@@ -101,7 +101,7 @@ def test_a_build_too_large_to_fetch_is_verified_in_the_store_against_a_golden_of
 
 
 def test_the_compile_report_names_the_source_a_golden_of_the_build_is_computed_from(tmp_path):
-    from gkbuild.golden import checkpoint_hash
+    from gkbuild.pipeline.manifest import checkpoint_hash
     from gkbuild.reference import build_kv
 
     r = compile_build(recipe.load(ROOT / "recipes" / "tiny-cpu.yaml"), out=tmp_path / "b", quiet=True, compile=False)

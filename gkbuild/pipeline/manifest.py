@@ -172,3 +172,19 @@ def parse(data: bytes, where: str) -> dict:
         raise GkError(f"{where}: build_id {m['build_id'][:16]} is not the hash of the manifest's content "
                       f"(edited after the build?)")
     return m
+
+
+def checkpoint_hash(files: list[dict]) -> str:
+    """One hash for a checkpoint: its files' names and sha256s (as the manifest lists them)."""
+    items = sorted((f["name"], f["sha256"]) for f in files)
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def kv_meta(m: dict) -> dict:
+    """The KV format a build's kernel stores (dtype and dequant scales), from its manifest, as a
+    golden records it (``reference.KvFormat.from_meta`` reads it back)."""
+    kv = m["layout"]["kv"]
+    if kv["dtype"] == "bf16":
+        return {"dtype": "bf16", "k_scale": 1.0, "v_scale": 1.0}
+    rk = m["recipe"]["resolved"]["kv_cache"]
+    return {"dtype": kv["dtype"], "k_scale": float(rk["k_scale"]), "v_scale": float(rk["v_scale"])}

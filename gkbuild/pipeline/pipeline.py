@@ -67,12 +67,9 @@ class BuildResult:
         """What ``compile --json`` prints. ``source``: the checkpoint (its URI, the content hash a
         golden of it records, the KV format a golden for this build emulates): what CI keys and
         computes the golden of a build by."""
-        from ..golden import checkpoint_hash
-        from ..reference import build_kv
-
         m = self.manifest
-        source = {"uri": m["source"]["uri"], "sha256": checkpoint_hash(m["source"]["files"]),
-                  "kv": build_kv(m).to_meta()}
+        source = {"uri": m["source"]["uri"], "sha256": mf.checkpoint_hash(m["source"]["files"]),
+                  "kv": mf.kv_meta(m)}
         return {"build": str(self.out), "build_id": m["build_id"], "name": m["name"], "target": m["target"],
                 "source": source,
                 "ranks": m["topology"]["world_size"], "files": len(m["files"]),
