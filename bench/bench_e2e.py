@@ -4,8 +4,8 @@ read, never written), built, its golden computed, and verified where it is store
 
 Steps (each a fresh ``$GKBUILD_CACHE`` and ``$TMPDIR`` under the scratch folder, both sampled):
 - ``build-dir``: ``compile RECIPE --to DIR/store`` (the streamed build into a folder store);
-- ``golden``: ``golden SRC`` at 4 sequences x 32 positions given whole (``--prompt-len 32 --steps
-  0``: no greedy pass), so one layer-major pass reads every layer's weights once;
+- ``golden``: ``golden SRC --forced`` at 4 sequences x 32 positions (4 prompt + 28 given), so one
+  layer-major pass reads every layer's weights once (its ``--json`` counts the bytes read);
 - ``verify``: ``verify DIR/store --golden G`` in place (raw blobs hashed, then mapped where they lie);
 - ``build-s3``: the streamed build into an S3 store on 127.0.0.1 (``moto_ranged.py``, its objects
   spooled under the scratch folder), after the folder store is removed (both do not fit this disk
@@ -79,8 +79,8 @@ def main() -> None:
             r["store_bytes"] = store_bytes(store)
             rows.append(r)
         if "golden" in a.only:
-            rows.append(step("golden", [GK, "golden", src, "--out", str(golden), "--prompts", "4", "--prompt-len", "32",
-                                        "--steps", "0", "--kv", "fp8_e4m3fn", "-q"], d))
+            rows.append(step("golden", [GK, "golden", src, "--out", str(golden), "--forced", "--prompts", "4",
+                                        "--prompt-len", "4", "--steps", "28", "--kv", "fp8_e4m3fn", "--json", "-q"], d))
         if "verify" in a.only:
             r = step("verify", [GK, "verify", str(store), "--golden", str(golden), "--scratch-limit", a.scratch_limit,
                                 "--json", "-q"], d)

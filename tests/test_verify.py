@@ -15,6 +15,7 @@ from gkbuild.kernels.decode import RoutingGuide, route
 from gkbuild.runtime import Build
 from gkbuild.layout import attention, embedding, experts_mx, hidden
 from gkbuild.layout import kv as kvlayout
+from gkbuild.model import preset
 from gkbuild.reference import KvFormat
 from tests import faults
 from tests.conftest import RECIPES, run_cli
@@ -57,6 +58,26 @@ def test_tiny_builds_pass_tightly(tmp_path, tiny_golden, tiny_golden_fp8, sets):
     stages = rep.to_dict()["stages"]  # where the time went, for --json
     assert {"golden", "open", "embed", "layers", "tail", "tail check", "compare", "texts"} <= set(stages), stages
     assert all(v["wall"] >= 0 and v["cpu"] >= 0 for v in stages.values()) and stages["layers"]["cpu"] > 0
+
+
+def test_a_forced_golden_of_a_given_continuation_judges_every_position(tmp_path, tiny_golden):
+    """A forced golden (``golden --forced``: one layer-major pass over prompt + a continuation the
+    reference would not have chosen) verifies a faithful build at the tight tier at every one of its
+    positions, the build teacher-forced on the given tokens; the same build with o_proj x1.01 at layer 0
+    fails against it, naming layer 0."""
+    root = materialize(parse("synth://tiny?layers=2&seed=0"))
+    prompts = tiny_golden.token_ids[:, :4].tolist()
+    cont = [list(reversed(s)) for s in tiny_golden.token_ids[:, 4:].tolist()]  # not the greedy tokens
+    forced = for_checkpoint(root, prompts, 0, continuations=cont)
+    assert forced.meta["mode"] == "forced" and forced.token_ids[:, 4:].tolist() == cont
+    assert not torch.equal(forced.token_ids, tiny_golden.token_ids)
+    rep = verify.run(_build(tmp_path, "b"), golden=forced)
+    assert rep.ok and rep.kv == "tight", rep.to_dict()
+    assert len(rep.steps) == 20 and rep.max_abs_err <= 0.05
+    o_proj = [f for f in faults.catalogue(preset("tiny"), 0) if f.name == "o_proj x1.01 (layer 0)"][0]
+    bad = faults.edit_copy(root, tmp_path / "ck", o_proj.edit)
+    rep = verify.run(_build(tmp_path, "bad", [f"source={bad}"]), golden=forced, other_checkpoint=True)
+    assert not rep.ok and rep.culprit.startswith("layer 0"), rep.to_dict()
 
 
 def test_leading_is_the_stable_sorts_first_k():

@@ -247,7 +247,7 @@ def test_a_report_folder_that_is_a_dangling_link_is_one_line_before_any_probe(fa
 def test_an_sdk_that_does_not_import_is_one_line_not_a_report_of_nulls(fake_sdk, tmp_path, monkeypatch, module):
     """find_spec finds the SDK, but one of its modules fails on import (a missing shared library)."""
     sdk = tmp_path / "sdk"
-    shutil.copytree(tests_fake_sdk(), sdk)
+    shutil.copytree(_fake_sdk_dir(), sdk)
     (sdk / module / "__init__.py").write_text('raise ImportError("libnrt.so.1: cannot open shared object file")\n')
     import os
 
@@ -271,7 +271,7 @@ def test_a_doctor_whose_probes_all_failed_is_one_line(monkeypatch):
         doctor.run("trn3", quiet=True)
 
 
-def tests_fake_sdk():
+def _fake_sdk_dir():
     from tests.compile.conftest import FAKE_SDK
 
     return FAKE_SDK
