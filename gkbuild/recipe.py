@@ -155,6 +155,18 @@ class Compile:
                                                       "NEFF compile takes tens of GB)")
 
 
+SCALE_RULES = ("round_up", "floor")  # gkbuild.checkpoint.quantize.RULES (numpy's: not imported by a recipe)
+QUANTIZER_VERSION = 1  # bump when gkbuild.checkpoint.quantize's bytes change: it keys the expert shards
+
+
+@dataclass
+class Quantize:
+    scale_rule: str = _f("round_up", "how a dense (bf16/fp32) source's experts become MXFP4: round_up (triton_kernels' "
+                                     "downcast_to_mxfp, what transformers' MXFP4 integration calls) or floor (OCP MX "
+                                     "v1.0, torchao's to_mx FLOOR); an MXFP4 source is read as published",
+                         SCALE_RULES)
+
+
 @dataclass
 class Recipe:
     source: str = _f(None, "checkpoint: hf://ORG/NAME@REV, s3://BUCKET/PREFIX, synth://PRESET?layers=N&seed=S, or a folder")
@@ -162,6 +174,7 @@ class Recipe:
     name: typing.Optional[str] = _f(None, "build name (default: the recipe file's stem)")
     topology: Topology = _f(None, "ranks and meshes")
     experts: str = _f("mxfp4", "expert weight format: MX tiles (fp4x4 in u16) or dequantized bf16", ("mxfp4", "bf16"))
+    quantize: Quantize = _f(None, "quantizing a bf16/fp32 fine-tune's experts to MXFP4 as a stage of the build")
     kv_cache: KVCache = _f(None, "KV cache layout and budget")
     decode: Decode = _f(None, "decode step shapes")
     tail: Tail = _f(None, "sampling tail options")

@@ -35,6 +35,7 @@ class Checkpoint:
     _maps: dict[str, MappedFile] = field(default_factory=dict, repr=False)
     _checked: set = field(default_factory=set, repr=False)  # (name, lo, hi) already checked
     plain: bool = False  # bf16 tensors read as their u16 bits (a build: no ml_dtypes import)
+    layout: str = "mxfp4"  # how the experts are held (``names.LAYOUTS``), from the tensors
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -70,7 +71,8 @@ class Checkpoint:
         return ck
 
     def _validate(self) -> None:
-        expected = names.expected_specs(self.config)
+        self.layout = names.detect_layout({n: i.dtype.name for n, i in self.where.items()}, str(self.root))
+        expected = names.expected_specs(self.config, self.layout)
         for spec in expected:
             info = self.where.get(spec.name)
             if info is None:
@@ -120,6 +122,8 @@ class Checkpoint:
                 check_scales(arr, where)
             elif info.dtype.name == "bf16":
                 check_finite_bf16(arr, where)
+            elif info.dtype.name == "fp32":
+                check_finite_fp32(arr, where)
             self._checked.add((name, lo, hi))
         return arr
 
@@ -192,6 +196,20 @@ def check_finite_bf16(arr: np.ndarray, where: str) -> None:
         if exp.max() == 0x7F80:
             bad = np.flatnonzero(exp == 0x7F80)
             raise GkError(f"{where}: non-finite bf16 value(s) (NaN or infinity), first at flat index "
+                          f"{start + int(bad[0])}")
+
+
+def check_finite_fp32(arr: np.ndarray, where: str) -> None:
+    """``check_finite_bf16`` for fp32 (a checkpoint saved in float32)."""
+    import numpy as np
+
+    bits = np.asarray(arr).view(np.uint32).reshape(-1)
+    step = 2 << 20
+    for start in range(0, bits.size, step):
+        exp = np.bitwise_and(bits[start:start + step], 0x7F800000)
+        if exp.max() == 0x7F800000:
+            bad = np.flatnonzero(exp == 0x7F800000)
+            raise GkError(f"{where}: non-finite fp32 value(s) (NaN or infinity), first at flat index "
                           f"{start + int(bad[0])}")
 
 

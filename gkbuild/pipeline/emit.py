@@ -36,6 +36,7 @@ class Context:
     v_scale: float
     embedding: str = "host"  # decode.embedding: host | vocab | hidden (the latter two split over TP)
     rope: dict | None = None  # the model's YaRN parameters when decode.rope is fused (writes inv_freq)
+    scale_rule: str | None = None  # a dense source's experts quantized so (``checkpoint.quantized``); None: MXFP4
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,19 @@ def use_checkpoint(root: str, ck) -> None:
     _ck[root] = ck
 
 
-def _checkpoint(root: str) -> Checkpoint:
-    """The build's source: a folder mapped, or a source read by range (``ranged.connect``)."""
+def _checkpoint(ctx: Context):
+    """The build's source, as MXFP4: a folder mapped, or a source read by range (``ranged.connect``);
+    a dense one through the ``Quantized`` view with the build's scale rule."""
+    ck = _source(ctx.ckpt_root)
+    if ck.layout == "mxfp4":
+        return ck
+    from ..checkpoint.quantized import Quantized
+
+    return Quantized(ck, ctx.scale_rule or "round_up")
+
+
+def _source(root: str) -> Checkpoint:
+    """The build's source checkpoint, as it is stored."""
     if root not in _ck:
         if "://" in root:
             from ..checkpoint.ranged import RangedCheckpoint, connect
@@ -238,7 +250,7 @@ def run_shard(ctx: Context, job: ShardJob) -> tuple[str, int, str]:
     """Write one shard; return (path, size, sha256 of the bytes on disk)."""
     from pathlib import Path
 
-    ck = _checkpoint(ctx.ckpt_root)
+    ck = _checkpoint(ctx)
     path = inside(Path(ctx.out_dir), job.path)
     meta = {"gkbuild_role": job.role, "gkbuild_layout_version": str(LAYOUT_VERSION)}
     producers = PRODUCERS[job.role](ctx, ck, job.index)
@@ -262,5 +274,5 @@ def run_hash(root: str, name: str) -> tuple[str, str]:
 
     advance = lambda n: _report(n, "hash")  # noqa: E731
     if "://" in root:
-        return name, _checkpoint(root).remote.sha256(name, advance)
+        return name, _source(root).remote.sha256(name, advance)
     return name, sha256_file(Path(root) / name, advance)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
+from ..checkpoint.names import LAYOUTS
 from ..checkpoint.reader import INDEX, weight_files
 from ..checkpoint.safetensors_io import fsync_dir, syncfs
 from ..checkpoint.source import cache_root, materialize, parse, synth_by_range, synth_cache_dir, synth_config
@@ -31,7 +32,7 @@ from ..model import GptOssConfig
 from ..paths import claim, file_lock, inside, our_temporaries, resolved
 from ..plan import Plan, ShardFile, make_plan
 from ..progress import Progress
-from ..recipe import Recipe
+from ..recipe import QUANTIZER_VERSION, Recipe
 from ..publish import signing
 from . import manifest as mf
 from .fingerprint import Fingerprints, sha256_file
@@ -143,12 +144,14 @@ class _Runner:
         self.pool.shutdown(wait=True, cancel_futures=cancel)
 
 
-def shard_key(plan: Plan, f: ShardFile, source_fp: str) -> str:
-    """What one shard's bytes depend on: its role's parameters, its tensors, the source, the code."""
+def shard_key(plan: Plan, f: ShardFile, source_fp: str, scale_rule: str | None = None) -> str:
+    """What one shard's bytes depend on: its role's parameters, its tensors, the source, the code
+    (``scale_rule``: how a dense source's experts are quantized; None for an MXFP4 source)."""
     r = plan.recipe
+    quantized = {"scale_rule": scale_rule, "quantizer": QUANTIZER_VERSION} if scale_rule else {}
     params = {"shared": {"tp": r.topology.tp, "rope": r.decode.rope},
               "attn": {"tp": r.topology.tp, "v_scale": _v_scale(r)},
-              "expert": {"ep": r.topology.ep, "experts": r.experts}, "tail": {"vtp": r.topology.vtp},
+              "expert": {"ep": r.topology.ep, "experts": r.experts, **quantized}, "tail": {"vtp": r.topology.vtp},
               "embed": {"placement": r.decode.embedding,
                         **({} if r.decode.embedding == "host" else {"tp": r.topology.tp})}}[f.role]
     specs = [[t.name, t.dtype, list(t.shape)] for t in f.tensors]
@@ -254,13 +257,20 @@ class _Build:
         # Whether these exact files were validated before is remembered by name, size and mtime (in
         # the folder's state only); the manifest's stage key hashes their content (set in shards).
         checked = key("validated", self.identity, self.recipe.digest(), __version__)
-        cached = self.remote is None and self.state.source.get("validated") == checked
-        if not cached:
+        cached = self.remote is None and self.state.source.get("validated") == checked \
+            and self.state.source.get("layout") in LAYOUTS
+        if cached:
+            self.source_layout = self.state.source["layout"]
+        else:
             if self.remote is None:
                 from ..checkpoint.reader import Checkpoint
 
-                Checkpoint.open(self.root).close()
+                ck = Checkpoint.open(self.root)
+                ck.close()
+            self.source_layout = ck.layout
             self.recipe.check_against(self.config)
+        # A dense (bf16/fp32) fine-tune's experts are quantized as the expert shards are written.
+        self.scale_rule = None if self.source_layout == "mxfp4" else self.recipe.quantize.scale_rule
         self._validated = checked
         self.report("validate", not cached, t0,
                     f"{len(self.names)} files, headers {'read by range' if self.remote else 'checked'}")
@@ -300,7 +310,8 @@ class _Build:
                 runner = runner or _Runner(self.jobs, self.progress, self._preload())
                 ctx = Context(self.ckpt_root, str(self.out), self.plan_.dims, self.recipe.experts,
                               _v_scale(self.recipe), self.recipe.decode.embedding,
-                              self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
+                              self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None,
+                              self.scale_rule)
                 self.progress.task("shards", "emit shards", sum(f.nbytes for f in todo))
                 calls = (self._hash_calls(unknown) if unknown else []) + [
                     (run_shard, (ctx, ShardJob(f.role, f.index, f.path, f.tensors)), ("shard", f)) for f in todo]
@@ -321,7 +332,8 @@ class _Build:
         for path in [p for p in self.state.shards if p not in keep]:  # an earlier plan's shards
             inside(self.out, path).unlink(missing_ok=True)
             del self.state.shards[path]
-        self.state.source = {"identity": self.identity, "fingerprint": self.source_fp(), "validated": self._validated}
+        self.state.source = {"identity": self.identity, "fingerprint": self.source_fp(), "validated": self._validated,
+                             "layout": self.source_layout}
         self.keys["validate"] = key("validate", self.source_fp(), __version__)
         self.keys["shards"] = key("shards", sorted((f.path, self.state.shards[f.path]["key"])
                                                    for f in self.plan_.files))
@@ -371,7 +383,7 @@ class _Build:
         for f in self.plan_.files:
             rec = self.state.shards.get(f.path)
             p = self.out / f.path
-            ok = (rec is not None and self._fp is not None and rec["key"] == shard_key(self.plan_, f, self._fp)
+            ok = (rec is not None and self._fp is not None and rec["key"] == shard_key(self.plan_, f, self._fp, self.scale_rule)
                   and intact(p, rec))  # re-verified: a file edited since it was written is written again
             if not ok:
                 todo.append(f)
@@ -399,7 +411,7 @@ class _Build:
         syncfs(self.out)
         for f in self._unrecorded:
             size, sha = self._results[f.path]
-            self.state.shards[f.path] = {"key": shard_key(self.plan_, f, self._fp), "size": size, "sha256": sha,
+            self.state.shards[f.path] = {"key": shard_key(self.plan_, f, self._fp, self.scale_rule), "size": size, "sha256": sha,
                                          "stat": stat_of(self.out / f.path)}
         self._unrecorded.clear()
         self.state.save()
@@ -489,6 +501,8 @@ class _Build:
             ref = parse_hf(self.spec.uri)
             info.update(repo=ref.repo, revision=ref.revision, commit=self.root.name)
         info["files"] = [{"name": n, "size": self._size(n), "sha256": self.digests[n]} for n in self.names]
+        if self.scale_rule:
+            info.update(layout=self.source_layout, quantize={"scale_rule": self.scale_rule, "quantizer": QUANTIZER_VERSION})
         return info
 
 

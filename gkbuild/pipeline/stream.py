@@ -255,7 +255,7 @@ class _StreamBuild(_Build):
             todo = []
             for f in self.plan_.files:
                 rec = self.state.shards.get(f.path)
-                if fp and rec and "entry" in rec and rec["key"] == shard_key(self.plan_, f, fp):
+                if fp and rec and "entry" in rec and rec["key"] == shard_key(self.plan_, f, fp, self.scale_rule):
                     e = _stored_entry({"path": f.path, "size": rec["size"], "sha256": rec["sha256"]}, stored,
                                       self.store)
                     if e is not None and e == {**rec["entry"], "path": f.path}:
@@ -313,7 +313,7 @@ class _StreamBuild(_Build):
         files = {f.path: f for f in self.plan_.files}
         for path in self._unrecorded:
             r = self._results[path]
-            self.state.shards[path] = {"key": shard_key(self.plan_, files[path], fp), "size": r["size"],
+            self.state.shards[path] = {"key": shard_key(self.plan_, files[path], fp, self.scale_rule), "size": r["size"],
                                        "sha256": r["sha256"], "entry": r["entry"]}
         self._unrecorded.clear()
         self.state.save()
@@ -323,7 +323,7 @@ class _StreamBuild(_Build):
         staging = self.out  # local workers stage into this folder's weights/
         ctx = Context(self.ckpt_root, str(staging) if self.executor == "local" else "", self.plan_.dims,
                       self.recipe.experts, _v_scale(self.recipe), self.recipe.decode.embedding,
-                      self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None)
+                      self.plan_.scalars["rope"] if self.recipe.decode.rope == "fused" else None, self.scale_rule)
         pin = self.remote.pin if self.remote else {}
         jobs = sorted((StreamJob(ctx, tuple(ShardJob(f.role, f.index, f.path, f.tensors) for f in g), self.store.uri,
                                  pin, stored, self.level, self.hub) for g in rank_groups(todo, 2 * self.jobs)),
