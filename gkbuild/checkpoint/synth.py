@@ -18,7 +18,7 @@ every tensor but the experts holds the SAME values as the MXFP4 synth of that se
 same chunk seeds; fp32 is the bf16 value widened), so the two differ only in the experts. The dense
 experts ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] are random bf16 at the scale of the MX
 experts (full mantissa: values no MXFP4 grid holds), and some MX blocks (32 along the contraction
-axis, the quantizer's unit) are special, chosen by a hash of the block: all zeros, one outlier 16x
+axis, the quantizer's unit) are special, chosen by a hash of the block: all zeros, one outlier at least 4x
 the rest, every element a bf16 subnormal, or a few subnormals. fp32 experts add 16 random low
 mantissa bits, so they are not bf16 in disguise.
 """
@@ -146,16 +146,19 @@ def _dense_expert(cfg: GptOssConfig, spec: TensorSpec, seed: int, first: int, ra
     the MX experts' scale, and the special blocks (module docstring) by a hash of each element's
     MX block (expert, output column, 32-group of the contraction axis), so any range is made alone.
     Made 1 Mi elements at a time (the u64 index temporaries of a whole chunk would be ~0.5 GB)."""
-    vals = _bf16(raw, 1.0 / math.sqrt(_fan_in(cfg, spec))).view(np.uint16)
+    rms = 1.0 / math.sqrt(_fan_in(cfg, spec))
+    vals = _bf16(raw, rms).view(np.uint16)
+    top = np.uint16((127 + round(math.log2(rms / 0.88)) + 3) << 7)  # 4x above _bf16's highest octave
     out = np.empty(vals.size, np.uint16 if spec.dtype == "bf16" else np.uint32)
     step = 1 << 20
     for a in range(0, vals.size, step):
-        out[a:a + step] = _special(spec, seed, first + a, vals[a:a + step])
+        out[a:a + step] = _special(spec, seed, first + a, vals[a:a + step], top)
     return out.view(dtype("bf16").numpy if spec.dtype == "bf16" else np.float32)
 
 
-def _special(spec: TensorSpec, seed: int, first: int, vals: np.ndarray) -> np.ndarray:
-    """``_dense_expert`` over one run of elements (bf16 bits in; bf16 bits, or fp32 bits, out)."""
+def _special(spec: TensorSpec, seed: int, first: int, vals: np.ndarray, top: np.uint16) -> np.ndarray:
+    """``_dense_expert`` over one run of elements (bf16 bits in; bf16 bits, or fp32 bits, out);
+    ``top``: the exponent bits of an outlier."""
     E, K, M = spec.shape  # [E, in, out]: the contraction axis first (``x @ w``)
     f = np.arange(first, first + vals.size, dtype=np.uint64)
     col = f % np.uint64(M)
@@ -165,8 +168,8 @@ def _special(spec: TensorSpec, seed: int, first: int, vals: np.ndarray) -> np.nd
     kind = (h % np.uint64(SPECIAL_EVERY)).astype(np.uint8)
     at = row % np.uint64(32)
     vals = np.where(kind == 1, np.uint16(0), vals)  # an all-zero block
-    outlier = (kind == 2) & (at == (h >> np.uint64(8)) % np.uint64(32))  # one element 2^4 times the rest
-    vals = np.where(outlier, vals + np.uint16(4 << 7), vals)
+    outlier = (kind == 2) & (at == (h >> np.uint64(8)) % np.uint64(32))  # one element at least 4x the block's others
+    vals = np.where(outlier, (vals & np.uint16(0x807F)) | top, vals)
     tiny = (kind == 3) | ((kind == 4) & (at < 4))  # bf16 subnormals: the whole block, or 4 of its elements
     vals = np.where(tiny, (vals & np.uint16(0x807F)) | np.uint16(1), vals)
     if spec.dtype == "bf16":
