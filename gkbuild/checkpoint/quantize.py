@@ -13,9 +13,10 @@ Two scale rules, each bit for bit the published implementation it names (the tes
     ``python/triton_kernels/triton_kernels/numerics_details/mxfp.py`` (cited ``TK:line`` below).
     Special inputs, exactly as the reference:
       * all-zero block: scale byte 0, codes 0 (a -0.0 keeps its sign: code 8).
-      * subnormal amax: amax/6 rounds UP to the smallest normal, scale byte 1 (2^-126); elements
-        then become tiny and round to (signed) zero. An amax/6 that underflows to 0 (amax below
-        ~6 * 2^-150) gives scale byte 0 and all-zero codes.
+      * subnormal amax: amax/6 is subnormal and the bit trick rounds it UP to the smallest
+        normal, scale byte 1 (2^-126); the elements become x * 2^126 < 1 and round to codes 0,
+        0.5 or 1.0 (nearest even). Below that, an amax <= 3 * 2^-149 makes amax/6 round to 0:
+        scale byte 0, multiplier 0, all codes (signed) zero.
       * +-inf in a block (no NaN): amax/6 = inf, whose bits + 0x7FFFFF stay at exponent 0xFF: scale
         byte 255 (NaN in E8M0, so the whole block decodes to NaN). 1/inf = 0, so finite elements
         become +-0 and each inf becomes inf*0 = NaN, which saturates to code 7 with that NaN's sign
@@ -99,17 +100,20 @@ def quantize(x: np.ndarray, rule: str = "round_up") -> tuple[np.ndarray, np.ndar
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"last axis of shape {x.shape} is not a multiple of {BLOCK}")
     k = x.shape[-1]
-    flat = x.reshape(-1, BLOCK)  # blocks are independent: chunk over blocks, not rows
+    # Blocks are independent: chunk over blocks, not rows, so one huge row is bounded too. (A
+    # non-contiguous x is copied once here, in its own dtype.)
+    flat = x.reshape(-1, BLOCK)
     n = flat.shape[0]
-    codes = np.empty((n, BLOCK), np.uint8)
+    blocks = np.empty((n, BLOCK // 2), np.uint8)  # packed per chunk: no full-size code array
     scales = np.empty(n, np.uint8)
     one = _round_up if rule == "round_up" else _floor
     with np.errstate(all="ignore"):  # inf*0, NaN compares, 1/0 under a where: all intended
         for i in range(0, n, _CHUNK_BLOCKS):
             j = min(i + _CHUNK_BLOCKS, n)
-            codes[i:j], scales[i:j] = one(flat[i:j].astype(np.float32))
-    lead = x.shape[:-1]
-    return mxfp4.pack_codes(codes.reshape(lead + (k,))), scales.reshape(lead + (k // BLOCK,))
+            codes, scales[i:j] = one(flat[i:j].astype(np.float32))
+            blocks[i:j] = mxfp4.pack_codes(codes).reshape(j - i, BLOCK // 2)
+    g = k // BLOCK
+    return blocks.reshape(x.shape[:-1] + (g, BLOCK // 2)), scales.reshape(x.shape[:-1] + (g,))
 
 
 def _round_up(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
