@@ -27,8 +27,15 @@ Two scale rules, each bit for bit the published implementation it names (the tes
         stays NaN and saturates to code 7 | its sign. The block decodes to zeros with +-6 * 2^-127
         where the NaNs were.
       * bf16: the reference casts its input to fp32 (exact for bf16); the rounding to bf16 is
-        transformers' ``w.to(torch.bfloat16)`` before the call. ``quantize`` does no rounding: give
-        it bf16-valued input (or an ml_dtypes bfloat16 array) to reproduce transformers' bytes.
+        transformers' ``w.to(torch.bfloat16)`` before the call (nearest even; torch 2.13 CPU also
+        turns every NaN into 0xFFFF, a negative NaN, hence code 15). ``quantize`` does no rounding:
+        give it bf16-valued input (or an ml_dtypes bfloat16 array) to reproduce transformers' bytes.
+    Versions: the transformers hub loads triton_kernels at run time, unpinned here. Older
+    triton_kernels (e.g. @7146a7205c89742dbb17b6c18cdeeeb75c60f799) rounded elements half away
+    from zero (``(... + 1) >> 1``, no sticky bit); 018a674f rounds to nearest even, as its GPU
+    kernel ``mxfp_details/_downcast_to_mxfp.py`` (@0616e64515491718b6576b4cb3ba521f52a56d68) does,
+    except that the kernel leaves the bits its subnormal shift drops out of the sticky bit (a
+    tie reached only through those bits, e.g. q = 0.25 + 1 ulp, goes down there, up here).
 
 ``floor`` -- the OCP MX v1.0 rule as torchao 0.18.0 ``to_mx(x, torch.float4_e2m1fn_x2, 32,
     ScaleCalculationMode.FLOOR)`` computes it (``torchao/prototype/mx_formats/mx_tensor.py``, cited
@@ -39,7 +46,7 @@ Two scale rules, each bit for bit the published implementation it names (the tes
     torchao packs element 2j in the low nibble (``mx_formats/kernels.py:159-164``), as we do.
     Special inputs, exactly as torchao:
       * all-zero or subnormal amax: exponent field 0 -> -127 - 2, clamped to byte 0 (2^-127); the
-        elements are divided by 2^-126 though (AO:359), so any block with amax < 2^-125 decodes to
+        elements are divided by 2^-126 though (AO:359), so any block with amax < 2^-124 decodes to
         HALF what its codes were chosen for (torchao's own workaround, kept to stay bit-exact).
       * +-inf in a block (no NaN): exponent 0xFF -> 128 - 2 = 126, scale byte 253; inf / 2^126
         saturates to code 7 with the inf's sign; finite elements are divided by 2^126.
@@ -56,8 +63,9 @@ from M: 2^ceil(log2(M/6)) is 2^-1 for M in {2, 3}, 2^-2 for M in {1, 1.5}, 2^-3 
 block comes back at s' = max(s - k, 1) with every code value multiplied by 2^(s - s') (still exact
 in e2m1); an all-zero block comes back at scale 0. Not byte for byte because the format has
 several (scale, codes) spellings of one block and the quantizer always picks the one its rule
-derives from the block max. (``floor`` derives the same k, but its byte-0 quirk above breaks
-values for s <= 3 with small M.)
+derives from the block max. ``floor`` derives the same scale byte s - k (clamped at 0), and the
+values come back identical exactly when s > k(M) or the block is zero; where s <= k its byte-0
+quirk above halves them (also measured).
 """
 
 from __future__ import annotations

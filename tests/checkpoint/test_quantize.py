@@ -171,6 +171,9 @@ def test_special_inputs_documented():
     assert _one_block([_bits(1 << 22), _bits(1 << 21), _bits(3 << 20)], "floor") == ([1, 0, 1], 0)
     assert _one_block([_bits(4), _bits(1)], "round_up") == ([0, 0], 1)  # 4 * 2^-149 / 6 > 0
     assert _one_block([_bits(3), _bits(1)], "round_up") == ([0, 0], 0)  # 3 * 2^-149 / 6 -> 0
+    # floor's byte 0 starts below amax 2^-124 (exponent field 2 -> 2 - 2): stored 2^-127, used 2^-126
+    assert _one_block([np.float32(2.0 ** -124)], "floor") == ([6], 1)  # 4.0 at 2^-126: right
+    assert _one_block([np.float32(2.0 ** -125)], "floor") == ([4], 0)  # 2.0 at 2^-127: half
     # inf: round_up scale 255 and inf*0 = default NaN -> 7 | its sign; floor 253, saturated
     assert _one_block([np.inf, -np.inf, 1.0], "round_up") == ([7 | dsign, 7 | dsign, 0], 255)
     assert _one_block([np.inf, -np.inf, 1.0], "floor") == ([7, 15, 0], 253)
