@@ -115,7 +115,7 @@ def quantize(src, out_dir, scale_rule, max_shard_size, force, quiet):
     from .checkpoint.reader import Checkpoint
     from .checkpoint.source import open_source, parse
     from .checkpoint.synth import refuse_existing
-    from .checkpoint.to_mxfp4 import quantize_checkpoint, total_bytes
+    from .checkpoint.to_mxfp4 import quantize_checkpoint, refuse_mxfp4, total_bytes
     from .text import folder
 
     spec = parse(src, base=Path.cwd())
@@ -130,8 +130,7 @@ def quantize(src, out_dir, scale_rule, max_shard_size, force, quiet):
     else:
         ck = RangedCheckpoint.open_remote(root, plain=True)
     try:
-        if ck.layout == "mxfp4":  # before the tokenizer is fetched
-            quantize_checkpoint(ck, out_dir, scale_rule)
+        refuse_mxfp4(ck)  # before the tokenizer is fetched
         tokenizer = folder(spec)
         with bar(f"quantize {spec.uri}", total_bytes(ck), quiet) as advance:
             quantize_checkpoint(ck, out_dir, scale_rule, tokenizer, shard, force, advance)

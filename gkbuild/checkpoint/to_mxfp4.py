@@ -53,13 +53,17 @@ def config_bytes(ck, rule: str) -> bytes:
     return (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
 
 
+def refuse_mxfp4(ck) -> None:
+    if ck.layout == "mxfp4":
+        raise GkError(f"{ck.root}: already MXFP4 (its experts are *_blocks / *_scales); nothing to quantize")
+
+
 def quantize_checkpoint(ck, out: Path, rule: str, tokenizer_dir: Path | None = None,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD, force: bool = False,
                         advance: Advance = lambda n: None) -> Path:
     """Write ``ck`` (an open dense ``Checkpoint`` or ``RangedCheckpoint``) as MXFP4 into ``out``.
     ``tokenizer_dir``: a folder whose tokenizer files (those it has) go beside the weights."""
-    if ck.layout == "mxfp4":
-        raise GkError(f"{ck.root}: already MXFP4 (its experts are *_blocks / *_scales); nothing to quantize")
+    refuse_mxfp4(ck)
     view = Quantized(ck, rule)
     files = shard_files(output_specs(ck), max_shard_bytes)
     with atomic_folder(out, force) as tmp:
