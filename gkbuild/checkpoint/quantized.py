@@ -5,7 +5,7 @@ The build's producers, the reference and the golden read ``mlp.experts.*_blocks`
 Over a dense source (``names.LAYOUTS``) this view serves them from ``gate_up_proj`` [E, H, 2I] and
 ``down_proj`` [E, I, H]: a leading slice of experts is read, transposed to the blocks' [E, out, in]
 and quantized by the recipe's scale rule (``quantize.quantize``), so only the experts asked for are
-read, and a slice's blocks and scales come from one quantization. Every other float tensor is served
+read, and a slice's blocks and scales come from one quantization (the part not yet read kept). Every other float tensor is served
 in bf16 (an fp32 source rounded to nearest even, as ``torch.Tensor.to(torch.bfloat16)`` rounds).
 
 With ``rule=None`` the experts stay dense (``gate_up_proj`` / ``down_proj``, float32 to the reader):
@@ -65,7 +65,10 @@ class Quantized:
     def __init__(self, ck, rule: str | None):
         self.ck, self.rule = ck, rule
         self.source_layout = ck.layout
-        self._last: tuple | None = None  # ((dense name, lo, hi), (blocks, scales)): one slice's quantization
+        # One quantization serves a slice's blocks and scales: the part not asked for is kept until it
+        # is. A shard writes every layer's blocks before any layer's scales (its tensors in file order,
+        # the u16 tiles first), so what waits is the scales, 1/16 of the blocks.
+        self._other: dict[tuple, np.ndarray] = {}
 
     def __getattr__(self, attr):  # config, root, headers, where, extras, plain, close, deep_check, ...
         return getattr(self.ck, attr)
@@ -92,12 +95,14 @@ class Quantized:
             return self._bf16(self.ck.read(name, lo, hi))
         if self.rule is None:
             raise GkError(f"{self.ck.root}: no tensor {name} (the dense original is read as {base})")
-        key = (base, lo, hi)
-        if self._last is None or self._last[0] != key:
-            self._last = None  # the previous slice's result is let go before the next one is made
-            self._last = (key, expert_to_mx(self.ck.read(base, lo, hi), self.rule))
-            self.ck.release(base, lo, hi)
-        return self._last[1][0 if part == "_blocks" else 1]
+        kept = self._other.pop((base, lo, hi, part), None)
+        if kept is not None:
+            return kept
+        blocks, scales = expert_to_mx(self.ck.read(base, lo, hi), self.rule)
+        self.ck.release(base, lo, hi)
+        other = "_scales" if part == "_blocks" else "_blocks"
+        self._other[(base, lo, hi, other)] = scales if part == "_blocks" else blocks
+        return blocks if part == "_blocks" else scales
 
     def _source_name(self, name: str) -> str:
         return name[:-7] if name.endswith(names.MX_PARTS) and names.EXPERTS in name else name
