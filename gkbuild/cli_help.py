@@ -23,7 +23,7 @@ SECTION_OF = {
     "--prompt": "Source", "--chat": "Source", "--prompt-ids": "Source", "--prompts": "Source",
     "--prompt-len": "Source", "--continuation": "Source", "--continuation-ids": "Source", "--forced": "Source",
     "--steps": "Source", "--kv": "Source", "--k-scale": "Source", "--v-scale": "Source",
-    "--host-profile": "Source", "--target": "Source", "--kernels": "Source",
+    "--host-profile": "Source", "--target": "Source", "--kernels": "Source", "--scale-rule": "Source",
     # what it writes or prints, and where
     "--out": "Output", "--to": "Output", "--max-shard-size": "Output", "--level": "Output", "--report": "Output",
     "--json": "Output", "--quiet": "Output", "--show-compile": "Output", "--list": "Output", "--matrix": "Output",
@@ -36,7 +36,7 @@ SECTION_OF = {
     "--clear": "Execution",
     # what it accepts, signs or insists on
     "--sign": "Trust", "--trust": "Trust", "--trust-issuer": "Trust", "--expect": "Trust", "--require-neff": "Trust",
-    "--loose": "Trust", "--allow-other-checkpoint": "Trust",
+    "--loose": "Trust", "--allow-other-checkpoint": "Trust", "--quant-tolerance": "Trust",
     # click's own
     "--help": "Other", "--version": "Other",
 }

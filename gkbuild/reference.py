@@ -381,7 +381,8 @@ def open_checkpoint(root, rule: str | None = "round_up") -> Checkpoint:
 
 
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
-        quiet: bool = True, on_kv=None, rule: str | None = "round_up") -> dict[str, torch.Tensor]:
+        quiet: bool = True, on_kv=None, rule: str | None = "round_up", info: dict | None = None
+        ) -> dict[str, torch.Tensor]:
     """(``root``: a checkpoint folder, or a ``checkpoint.ranged.Remote``.) Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
     tokens, layer by layer: one pass for the prompts' common prefix, one a position after it.
     Returns ``token_ids`` [P, T], ``logits`` [P, T, V], ``hidden`` [P, L, T, H] (after every
@@ -391,7 +392,8 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
     (every expert of every layer on the probe rows).
     ``on_kv(layer, k, v)`` sees each pass's new K (after RoPE) and V [P, kv heads, n, d] before
     the cache rounds them (a DI prefill writes them in its own layout). ``rule``: how a dense
-    source's experts are read (``open_checkpoint``); an MXFP4 source ignores it."""
+    source's experts are read (``open_checkpoint``); an MXFP4 source ignores it. ``info``, if given,
+    gets ``source_layout``: how the source holds its experts (``names.LAYOUTS``)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -402,6 +404,8 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the parallelism is the experts' (parallel.each); tiny matmuls gain nothing
     ck = open_checkpoint(root, rule)
+    if info is not None:
+        info["source_layout"] = getattr(ck, "source_layout", ck.layout)
     try:
         cfg = hf_config(root, kv)
         V, L = cfg.vocab_size, cfg.num_hidden_layers
