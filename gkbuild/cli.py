@@ -53,19 +53,28 @@ def cli():
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder to write.")
 @click.option("--layers", type=int, default=None, help="Keep only the first N layers (default: all).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights are a pure function of the seed.")
+@click.option("--dtype", type=click.Choice(["mxfp4", "bf16", "fp32"]), default="mxfp4", show_default=True,
+              help="mxfp4: the hub's layout; bf16 / fp32: a dense fine-tune as transformers saves one.")
 @click.option("--max-shard-size", default="4GB", show_default=True, help="Split weight files at this size.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
-    """Write a synthetic checkpoint of PRESET in the exact hub MXFP4 layout.
+def synth(preset, out_dir, layers, seed, dtype, max_shard_size, force, quiet):
+    """Write a synthetic checkpoint of PRESET in the exact hub MXFP4 layout (or a dense one).
 
     PRESET is one of gpt-oss-120b, gpt-oss-20b, tiny, tiny-topology. The files (config.json,
     model.safetensors.index.json, model-0000k-of-0000n.safetensors) load in transformers like the
     real checkpoint. Writing streams: memory stays flat whatever the size.
 
+    --dtype bf16 (or fp32) writes transformers' dense layout, as a fine-tune dequantized for
+    training is saved (mlp.experts.gate_up_proj / down_proj, no quantization_config): every tensor
+    but the experts equals the MXFP4 synth of the same seed; the experts hold values no MXFP4 grid
+    does (with all-zero blocks, outliers and subnormals), for `gkbuild quantize` and builds from
+    bf16 sources to chew on.
+
     Examples:
       gkbuild synth tiny --out ckpt
       gkbuild synth gpt-oss-120b --out ckpt-120b --layers 2 --seed 1
+      gkbuild synth tiny --out ckpt-bf16 --dtype bf16
     """
     from .checkpoint.synth import synthesize, total_bytes
     from .model import preset as get_preset
@@ -73,10 +82,63 @@ def synth(preset, out_dir, layers, seed, max_shard_size, force, quiet):
     cfg = get_preset(preset)
     if layers is not None:
         cfg = cfg.with_layers(layers)
-    with bar(f"synth {preset}", total_bytes(cfg), quiet) as advance:
+    with bar(f"synth {preset}", total_bytes(cfg, dtype), quiet) as advance:
         synthesize(cfg, out_dir, seed=seed, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), force=force,
-                   advance=advance)
-    note(f"wrote {out_dir} ({preset}, {cfg.L} layers, seed {seed})", quiet)
+                   advance=advance, dtype=dtype)
+    note(f"wrote {out_dir} ({preset}, {cfg.L} layers, seed {seed}, {dtype})", quiet)
+
+
+@cli.command()
+@click.argument("src", metavar="SRC")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder to write.")
+@click.option("--scale-rule", type=click.Choice(["round_up", "floor"]), default="round_up", show_default=True,
+              help="round_up: triton_kernels' downcast_to_mxfp (what transformers' MXFP4 integration calls); "
+                   "floor: OCP MX v1.0 (torchao's to_mx FLOOR).")
+@click.option("--max-shard-size", default="4GB", show_default=True, help="Split weight files at this size.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def quantize(src, out_dir, scale_rule, max_shard_size, force, quiet):
+    """Write a dense (bf16/fp32) checkpoint as an MXFP4 one in the exact hub layout.
+
+    SRC is a dense checkpoint as transformers saves a fine-tune (mlp.experts.gate_up_proj /
+    down_proj, no quantization_config): a folder, hf://ORG/NAME@REV, s3://BUCKET/PREFIX (read by
+    range) or synth://PRESET?dtype=bf16. OUT gets the tensors, files and config.json of the hub's
+    MXFP4 checkpoint (what `gkbuild synth` writes): the experts quantized by --scale-rule one expert
+    at a time, every other tensor in bf16 (fp32 rounded to nearest even), the tokenizer files the
+    source has. A build of OUT reads the same bytes as a build of SRC with that quantize.scale_rule.
+    Streams (memory flat); OUT appears only when complete. An MXFP4 source is refused.
+
+    Examples:
+      gkbuild quantize ckpt-bf16 --out ckpt-mxfp4
+      gkbuild quantize synth://tiny?dtype=bf16 --out ckpt-mxfp4 --scale-rule floor
+    """
+    from .checkpoint.ranged import RangedCheckpoint
+    from .checkpoint.reader import Checkpoint
+    from .checkpoint.source import open_source, parse
+    from .checkpoint.synth import refuse_existing
+    from .checkpoint.to_mxfp4 import quantize_checkpoint, total_bytes
+    from .text import folder
+
+    spec = parse(src, base=Path.cwd())
+    refuse_existing(out_dir, force)  # before a source is fetched or synthesized
+    shard = parse_size(max_shard_size, "--max-shard-size")
+    root = open_source(spec, ranged=True)
+    if isinstance(root, Path):
+        from .pipeline.pipeline import refuse_overlap
+
+        refuse_overlap(out_dir, root)
+        ck = Checkpoint.open(root, plain=True)
+    else:
+        ck = RangedCheckpoint.open_remote(root, plain=True)
+    try:
+        if ck.layout == "mxfp4":  # before the tokenizer is fetched
+            quantize_checkpoint(ck, out_dir, scale_rule)
+        tokenizer = folder(spec)
+        with bar(f"quantize {spec.uri}", total_bytes(ck), quiet) as advance:
+            quantize_checkpoint(ck, out_dir, scale_rule, tokenizer, shard, force, advance)
+    finally:
+        ck.close()
+    note(f"wrote {out_dir} (MXFP4, scale rule {scale_rule}, from {ck.layout} {spec.uri})", quiet)
 
 
 @cli.command()

@@ -27,7 +27,7 @@ SECTION_OF = {
     # what it writes or prints, and where
     "--out": "Output", "--to": "Output", "--max-shard-size": "Output", "--level": "Output", "--report": "Output",
     "--json": "Output", "--quiet": "Output", "--show-compile": "Output", "--list": "Output", "--matrix": "Output",
-    "--cache-push": "Output",
+    "--cache-push": "Output", "--dtype": "Output", "--scale-rule": "Output",
     # how it runs
     "--jobs": "Execution", "--force": "Execution", "--no-compile": "Execution", "--cache": "Execution",
     "--scratch-limit": "Execution", "--executor": "Execution", "--retries": "Execution", "--only": "Execution",
@@ -43,7 +43,7 @@ SECTION_OF = {
 
 # The root's commands by task, in the order a newcomer meets them.
 TASKS = {
-    "Start here": ["synth", "inspect", "plan", "recipe-doc"],
+    "Start here": ["synth", "inspect", "quantize", "plan", "recipe-doc"],
     "Build": ["compile", "farm", "cache"],
     "Verify": ["verify", "golden", "check", "diff", "verify-signature"],
     "Publish and fetch": ["publish", "fetch", "leases"],

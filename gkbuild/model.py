@@ -148,9 +148,12 @@ class GptOssConfig:
             raise GkError(f"{where}: expected a JSON object")
         if d.get("model_type") not in (None, "gpt_oss"):
             raise GkError(f"{where}: model_type is {d.get('model_type')!r}, gkbuild builds 'gpt_oss' models")
-        q = d.get("quantization_config")
-        if not isinstance(q, dict) or q.get("quant_method") != "mxfp4":
-            raise GkError(f"{where}: quantization_config.quant_method must be 'mxfp4' (an MXFP4 checkpoint)")
+        # No quantization_config: a dense (bf16/fp32) checkpoint, as transformers saves a dequantized
+        # fine-tune; the reader holds the tensors to what the config says (it stays in ``extra``).
+        q = d.get("quantization_config", _ABSENT)
+        if q is not _ABSENT and (not isinstance(q, dict) or q.get("quant_method") != "mxfp4"):
+            raise GkError(f"{where}: quantization_config.quant_method must be 'mxfp4' (an MXFP4 checkpoint), "
+                          f"or no quantization_config (a dense bf16/fp32 one)")
         required = ["num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
                     "num_attention_heads", "num_key_value_heads", "vocab_size"]
         missing = [k for k in required if k not in d]
@@ -286,6 +289,9 @@ class GptOssConfig:
         for k in ("num_hidden_layers", "layer_types", "extra"):
             d.pop(k)
         return d
+
+
+_ABSENT = object()
 
 
 def _alternating(n: int) -> tuple[str, ...]:

@@ -16,6 +16,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+LAYOUT_TEXT = {
+    "mxfp4": "mxfp4 (the hub's: experts as MXFP4 blocks and scales)",
+    "bf16": "bf16 (dense: transformers' gate_up_proj / down_proj; gkbuild quantize makes it MXFP4)",
+    "fp32": "fp32 (dense: transformers' gate_up_proj / down_proj; gkbuild quantize makes it MXFP4)",
+}
+
+
 def checkpoint_summary(ck: Checkpoint) -> dict:
     c = ck.config
     name = match_preset(c)
@@ -24,6 +31,7 @@ def checkpoint_summary(ck: Checkpoint) -> dict:
         "kind": "checkpoint",
         "path": str(ck.root),
         "preset": name,
+        "layout": ck.layout,  # how the experts are held: names.LAYOUTS
         "layers": c.L,
         "experts": c.E,
         "experts_per_token": c.top_k,
@@ -47,6 +55,7 @@ def checkpoint_table(s: dict) -> list:
     head.add_column()
     rows = [
         ("preset", f"{preset}"),
+        ("layout", LAYOUT_TEXT.get(s["layout"], s["layout"])),
         ("layers", str(s["layers"])),
         ("experts", f"{s['experts']} (top-{s['experts_per_token']})"),
         ("hidden / intermediate", f"{s['hidden_size']} / {s['intermediate_size']}"),

@@ -77,3 +77,13 @@ def test_bad_configs(change, message):
 def test_unknown_preset_suggests():
     with pytest.raises(GkError, match="did you mean 'tiny'"):
         preset("tinyy")
+
+
+def test_no_quantization_config_is_a_dense_checkpoints_config():
+    """As transformers saves a fine-tune dequantized for training: the reader then holds its
+    tensors to the dense layout (tests/checkpoint/test_dense.py)."""
+    d = dict(HUB_120B)
+    d.pop("quantization_config")
+    cfg = GptOssConfig.from_hf(d)
+    assert cfg == PRESETS["gpt-oss-120b"] and "quantization_config" not in cfg.extra
+    assert "quantization_config" in GptOssConfig.from_hf(HUB_120B).extra

@@ -13,9 +13,10 @@ Two scale rules, each bit for bit the published implementation it names (the tes
     ``python/triton_kernels/triton_kernels/numerics_details/mxfp.py`` (cited ``TK:line`` below).
     Special inputs, exactly as the reference:
       * all-zero block: scale byte 0, codes 0 (a -0.0 keeps its sign: code 8).
-      * subnormal amax: amax/6 rounds UP to the smallest normal, scale byte 1 (2^-126); elements
-        then become tiny and round to (signed) zero. An amax/6 that underflows to 0 (amax below
-        ~6 * 2^-150) gives scale byte 0 and all-zero codes.
+      * subnormal amax: amax/6 is subnormal and the bit trick rounds it UP to the smallest
+        normal, scale byte 1 (2^-126); the elements become x * 2^126 < 1 and round to codes 0,
+        0.5 or 1.0 (nearest even). Below that, an amax <= 3 * 2^-149 makes amax/6 round to 0:
+        scale byte 0, multiplier 0, all codes (signed) zero.
       * +-inf in a block (no NaN): amax/6 = inf, whose bits + 0x7FFFFF stay at exponent 0xFF: scale
         byte 255 (NaN in E8M0, so the whole block decodes to NaN). 1/inf = 0, so finite elements
         become +-0 and each inf becomes inf*0 = NaN, which saturates to code 7 with that NaN's sign
@@ -26,8 +27,15 @@ Two scale rules, each bit for bit the published implementation it names (the tes
         stays NaN and saturates to code 7 | its sign. The block decodes to zeros with +-6 * 2^-127
         where the NaNs were.
       * bf16: the reference casts its input to fp32 (exact for bf16); the rounding to bf16 is
-        transformers' ``w.to(torch.bfloat16)`` before the call. ``quantize`` does no rounding: give
-        it bf16-valued input (or an ml_dtypes bfloat16 array) to reproduce transformers' bytes.
+        transformers' ``w.to(torch.bfloat16)`` before the call (nearest even; torch 2.13 CPU also
+        turns every NaN into 0xFFFF, a negative NaN, hence code 15). ``quantize`` does no rounding:
+        give it bf16-valued input (or an ml_dtypes bfloat16 array) to reproduce transformers' bytes.
+    Versions: the transformers hub loads triton_kernels at run time, unpinned here. Older
+    triton_kernels (e.g. @7146a7205c89742dbb17b6c18cdeeeb75c60f799) rounded elements half away
+    from zero (``(... + 1) >> 1``, no sticky bit); 018a674f rounds to nearest even, as its GPU
+    kernel ``mxfp_details/_downcast_to_mxfp.py`` (@0616e64515491718b6576b4cb3ba521f52a56d68) does,
+    except that the kernel leaves the bits its subnormal shift drops out of the sticky bit (a
+    tie reached only through those bits, e.g. q = 0.25 + 1 ulp, goes down there, up here).
 
 ``floor`` -- the OCP MX v1.0 rule as torchao 0.18.0 ``to_mx(x, torch.float4_e2m1fn_x2, 32,
     ScaleCalculationMode.FLOOR)`` computes it (``torchao/prototype/mx_formats/mx_tensor.py``, cited
@@ -38,7 +46,7 @@ Two scale rules, each bit for bit the published implementation it names (the tes
     torchao packs element 2j in the low nibble (``mx_formats/kernels.py:159-164``), as we do.
     Special inputs, exactly as torchao:
       * all-zero or subnormal amax: exponent field 0 -> -127 - 2, clamped to byte 0 (2^-127); the
-        elements are divided by 2^-126 though (AO:359), so any block with amax < 2^-125 decodes to
+        elements are divided by 2^-126 though (AO:359), so any block with amax < 2^-124 decodes to
         HALF what its codes were chosen for (torchao's own workaround, kept to stay bit-exact).
       * +-inf in a block (no NaN): exponent 0xFF -> 128 - 2 = 126, scale byte 253; inf / 2^126
         saturates to code 7 with the inf's sign; finite elements are divided by 2^126.
@@ -55,8 +63,9 @@ from M: 2^ceil(log2(M/6)) is 2^-1 for M in {2, 3}, 2^-2 for M in {1, 1.5}, 2^-3 
 block comes back at s' = max(s - k, 1) with every code value multiplied by 2^(s - s') (still exact
 in e2m1); an all-zero block comes back at scale 0. Not byte for byte because the format has
 several (scale, codes) spellings of one block and the quantizer always picks the one its rule
-derives from the block max. (``floor`` derives the same k, but its byte-0 quirk above breaks
-values for s <= 3 with small M.)
+derives from the block max. ``floor`` derives the same scale byte s - k (clamped at 0), and the
+values come back identical exactly when s > k(M) or the block is zero; where s <= k its byte-0
+quirk above halves them (also measured).
 """
 
 from __future__ import annotations
@@ -99,17 +108,20 @@ def quantize(x: np.ndarray, rule: str = "round_up") -> tuple[np.ndarray, np.ndar
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"last axis of shape {x.shape} is not a multiple of {BLOCK}")
     k = x.shape[-1]
-    flat = x.reshape(-1, BLOCK)  # blocks are independent: chunk over blocks, not rows
+    # Blocks are independent: chunk over blocks, not rows, so one huge row is bounded too. (A
+    # non-contiguous x is copied once here, in its own dtype.)
+    flat = x.reshape(-1, BLOCK)
     n = flat.shape[0]
-    codes = np.empty((n, BLOCK), np.uint8)
+    blocks = np.empty((n, BLOCK // 2), np.uint8)  # packed per chunk: no full-size code array
     scales = np.empty(n, np.uint8)
     one = _round_up if rule == "round_up" else _floor
     with np.errstate(all="ignore"):  # inf*0, NaN compares, 1/0 under a where: all intended
         for i in range(0, n, _CHUNK_BLOCKS):
             j = min(i + _CHUNK_BLOCKS, n)
-            codes[i:j], scales[i:j] = one(flat[i:j].astype(np.float32))
-    lead = x.shape[:-1]
-    return mxfp4.pack_codes(codes.reshape(lead + (k,))), scales.reshape(lead + (k // BLOCK,))
+            codes, scales[i:j] = one(flat[i:j].astype(np.float32))
+            blocks[i:j] = mxfp4.pack_codes(codes).reshape(j - i, BLOCK // 2)
+    g = k // BLOCK
+    return blocks.reshape(x.shape[:-1] + (g, BLOCK // 2)), scales.reshape(x.shape[:-1] + (g,))
 
 
 def _round_up(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -83,6 +83,20 @@ class Checkpoint:
                               f"expected {spec.dtype}{list(spec.shape)}")
         known = {s.name for s in expected}
         self.extras = sorted(n for n in self.where if n not in known)
+        self._check_config_layout()
+
+    def _check_config_layout(self) -> None:
+        """config.json's ``quantization_config`` (kept in ``config.extra``) says MXFP4 exactly when
+        the experts are: transformers loads a checkpoint by its config and fails on the other layout."""
+        declared = "quantization_config" in self.config.extra
+        if declared == (self.layout == "mxfp4"):
+            return
+        first = next(n for n in sorted(self.where) if (names.dense_expert if declared else names.mx_expert)(n))
+        if declared:
+            raise GkError(f"{self.root / 'config.json'}: quantization_config says MXFP4 but tensor {first} is a "
+                          f"dense {self.layout} expert weight; a dense checkpoint has no quantization_config")
+        raise GkError(f"{self.root / 'config.json'}: no quantization_config (a dense checkpoint) but tensor {first} "
+                      f"is MXFP4; the hub's MXFP4 config has quantization_config.quant_method 'mxfp4'")
 
     # -- reading ------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:

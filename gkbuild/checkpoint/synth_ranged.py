@@ -1,4 +1,4 @@
-"""A ``synth://PRESET?layers=N&seed=S`` checkpoint read by byte range and never written.
+"""A ``synth://PRESET?layers=N&seed=S[&dtype=bf16|fp32]`` checkpoint read by byte range and never written.
 
 ``SynthRemote`` is a ``ranged.Remote`` over the files ``gkbuild synth`` would write (config.json,
 model.safetensors.index.json, each model-0000k-of-0000n.safetensors), every byte equal to them:
@@ -52,13 +52,14 @@ class SynthRemote(Remote):
         spec = parse(uri, key="synth source")
         if spec.kind != "synth":
             raise GkError(f"synth source: {uri!r} is not a synth:// URI")
-        self.uri, self.pin, self.seed = spec.uri, dict(pin or {}), spec.seed
+        self.uri, self.pin, self.seed, self.dtype = spec.uri, dict(pin or {}), spec.seed, spec.dtype
         if self.pin.setdefault("synth", TAG) != TAG:
             raise GkError(f"source {self.uri}: synthesized by {self.pin['synth']}, this gkbuild makes {TAG}")
         self.cfg: GptOssConfig = synth_config(spec)
         self.read_bytes = 0
-        weights = synth.weight_files(self.cfg)
-        self._meta = {"config.json": synth.config_bytes(self.cfg, self.seed), INDEX: synth.index_bytes(weights)}
+        weights = synth.weight_files(self.cfg, dtype=self.dtype)
+        self._meta = {"config.json": synth.config_bytes(self.cfg, self.seed, self.dtype),
+                      INDEX: synth.index_bytes(weights)}
         self._weights = {}
         for name, group in weights.items():
             header, rel = layout_header(group)

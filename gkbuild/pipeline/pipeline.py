@@ -226,7 +226,8 @@ class _Build:
         if synthesize:
             from ..checkpoint.synth import total_bytes
 
-            self.progress.task("resolve", f"synthesize {self.spec.preset}", total_bytes(synth_config(self.spec)))
+            self.progress.task("resolve", f"synthesize {self.spec.preset}",
+                               total_bytes(synth_config(self.spec), self.spec.dtype))
         downloaded = []
         if self.spec.kind == "s3":
             self.progress.task("resolve", f"download {self.spec.uri}", 0)

@@ -24,6 +24,8 @@ from tests.conftest import RECIPES, run_cli
 
 def _kind(name: str) -> str:
     """The generator's branch a tensor takes."""
+    if names.dense_expert(name):
+        return "dense expert"
     for suffix in ("_blocks", "_scales", "bias", "sinks"):
         if name.endswith(suffix):
             return suffix.strip("_")
@@ -33,6 +35,7 @@ def _kind(name: str) -> str:
 
 
 KINDS = {"blocks", "scales", "bias", "sinks", "norm", "embed", "lm_head", "bf16 weight"}
+DENSE_KINDS = KINDS - {"blocks", "scales"} | {"dense expert"}
 
 
 def _awkward(remote: SynthRemote, name: str) -> list[tuple[int, int]]:
@@ -73,16 +76,19 @@ def _compare(remote: SynthRemote, folder, rng, count: int) -> set[str]:
     return kinds
 
 
-@pytest.mark.parametrize("preset_name,layers,seed", [("tiny", 2, 0), ("tiny-topology", 2, 3)])
-def test_random_ranges_equal_what_gkbuild_synth_writes(tmp_path, preset_name, layers, seed):
+@pytest.mark.parametrize("preset_name,layers,seed,dtype", [("tiny", 2, 0, "mxfp4"), ("tiny-topology", 2, 3, "mxfp4"),
+                                                           ("tiny", 2, 0, "bf16"), ("tiny", 1, 2, "fp32")])
+def test_random_ranges_equal_what_gkbuild_synth_writes(tmp_path, preset_name, layers, seed, dtype):
     r = run_cli("synth", preset_name, "--layers", str(layers), "--seed", str(seed), "--out", str(tmp_path / "ck"),
-                "-q")
+                "--dtype", dtype, "-q")
     assert r.returncode == 0, r.stderr
-    remote = connect(f"synth://{preset_name}?layers={layers}&seed={seed}")
+    query = f"layers={layers}&seed={seed}" + (f"&dtype={dtype}" if dtype != "mxfp4" else "")
+    remote = connect(f"synth://{preset_name}?{query}")
     kinds = _compare(remote, tmp_path / "ck", np.random.default_rng(seed), 150)
-    assert kinds == KINDS
+    assert kinds == (KINDS if dtype == "mxfp4" else DENSE_KINDS)
     cfg = json.loads(bytes(remote.small("config.json", 1 << 20)))
     assert cfg["num_hidden_layers"] == layers and cfg["gkbuild_synth"]["seed"] == seed
+    assert ("quantization_config" in cfg) == (dtype == "mxfp4")
 
 
 def test_ranges_across_many_chunk_boundaries(tmp_path, monkeypatch):
@@ -99,6 +105,20 @@ def test_ranges_across_many_chunk_boundaries(tmp_path, monkeypatch):
     remote = connect("synth://tiny-topology?layers=1&seed=5")
     assert len(remote._weights) > 1
     assert _compare(remote, folder, np.random.default_rng(1), 60) == KINDS
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_dense_ranges_across_many_chunk_boundaries(tmp_path, monkeypatch, dtype):
+    """The dense experts' specials (a hash of each element's MX block) and fp32's widening, cut at
+    chunks of 100002 bytes (an odd number of bf16 elements): the ranges cross chunk boundaries
+    inside MX blocks (32 elements down a column) and, for fp32, inside elements."""
+    monkeypatch.setattr(synth, "CHUNK_BYTES", 100_002)
+    folder = synth.synthesize(preset("tiny").with_layers(1), tmp_path / "ck", seed=5,
+                              max_shard_bytes=3 << 20, dtype=dtype)
+    monkeypatch.setattr(synth, "DEFAULT_MAX_SHARD", 3 << 20)
+    remote = connect(f"synth://tiny?layers=1&seed=5&dtype={dtype}")
+    assert len(remote._weights) > 1
+    assert _compare(remote, folder, np.random.default_rng(2), 40) == DENSE_KINDS
 
 
 # sha256 over "name sha256\n" of the weight files of tiny-topology, 1 layer, seed 5, 3 MiB shards,
@@ -139,7 +159,8 @@ def test_the_120b_shape_by_range_equals_chunks_generated_whole():
 @pytest.mark.parametrize("query,what", [
     ("tiny?layers=0&seed=0", "layers"), ("tiny?layers=999999&seed=0", "layers"),
     ("nope?layers=2&seed=0", "unknown preset"), ("tiny?layers=2&seed=x", "integers"),
-    ("tiny?layers=2&seed=-1", "seed"), ("tiny?layers=2&seed=0&colour=red", "unknown synth parameter")])
+    ("tiny?layers=2&seed=-1", "seed"), ("tiny?layers=2&seed=0&colour=red", "unknown synth parameter"),
+    ("tiny?layers=2&seed=0&dtype=fp8", "synth dtype")])
 def test_a_bad_query_fails_in_one_line(tmp_path, query, what):
     r = run_cli("compile", str(RECIPES / "tiny-topology-trn3.yaml"), "--set", f"source=synth://{query}",
                 "--to", str(tmp_path / "store"), "--no-compile", env={"GKBUILD_CACHE": str(tmp_path / "c")})
