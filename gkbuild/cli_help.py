@@ -23,7 +23,7 @@ SECTION_OF = {
     "--prompt": "Source", "--chat": "Source", "--prompt-ids": "Source", "--prompts": "Source",
     "--prompt-len": "Source", "--continuation": "Source", "--continuation-ids": "Source", "--forced": "Source",
     "--steps": "Source", "--kv": "Source", "--k-scale": "Source", "--v-scale": "Source",
-    "--host-profile": "Source", "--target": "Source", "--kernels": "Source", "--scale-rule": "Source",
+    "--host-profile": "Source", "--target": "Source", "--kernels": "Source",
     # what it writes or prints, and where
     "--out": "Output", "--to": "Output", "--max-shard-size": "Output", "--level": "Output", "--report": "Output",
     "--json": "Output", "--quiet": "Output", "--show-compile": "Output", "--list": "Output", "--matrix": "Output",

@@ -1,9 +1,11 @@
-"""A dense (bf16/fp32) fine-tune for the tests, made from an MXFP4 checkpoint: its experts
-dequantized (``quantized.mx_to_expert``) into transformers' layout, moved off the MXFP4 grid by
-``jitter`` (relative gaussian noise), the other tensors carried over; one tensor in memory at a time."""
+"""A dense (bf16/fp32) checkpoint for the tests whose experts lie exactly on the MXFP4 grid (what
+``synth --dtype bf16`` does not make): an MXFP4 checkpoint's experts dequantized
+(``quantized.mx_to_expert``) into transformers' layout, the other tensors carried over; one
+tensor in memory at a time."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,16 +17,18 @@ from gkbuild.checkpoint.reader import Checkpoint, weight_files
 from gkbuild.checkpoint.safetensors_io import SafetensorsWriter
 
 
-def densify(src: Path, out: Path, dtype: str = "bf16", jitter: float = 0.0, seed: int = 0) -> Path:
-    """``src`` (MXFP4) as a dense checkpoint in ``out`` (one model.safetensors, src's config and
-    tokenizer files); each dense expert element times (1 + ``jitter`` * N(0, 1))."""
+def densify(src: Path, out: Path, dtype: str = "bf16") -> Path:
+    """``src`` (MXFP4) as a dense checkpoint in ``out`` (one model.safetensors, src's config without
+    its quantization_config, its tokenizer files)."""
     src, out = Path(src), Path(out)
     out.mkdir(parents=True)
     skip = set(weight_files(src)) | {"model.safetensors.index.json"}
     for p in src.iterdir():
-        if p.is_file() and p.name not in skip:
+        if p.is_file() and p.name not in skip | {"config.json"}:
             shutil.copy(p, out / p.name)
-    rng = np.random.default_rng(seed)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)  # a dense checkpoint has none (the reader holds it to that)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     ck = Checkpoint.open(src)
     try:
         specs = names.expected_specs(ck.config, dtype)
@@ -32,8 +36,6 @@ def densify(src: Path, out: Path, dtype: str = "bf16", jitter: float = 0.0, seed
             for s in specs:
                 if names.dense_expert(s.name):
                     arr = mx_to_expert(ck.read(s.name + "_blocks"), ck.read(s.name + "_scales"))
-                    if jitter:
-                        arr = arr * (1 + jitter * rng.standard_normal(arr.shape, dtype=np.float32))
                 else:
                     arr = as_float32(ck.read(s.name))
                 assert arr.shape == s.shape, (s.name, arr.shape, s.shape)
