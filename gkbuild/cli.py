@@ -15,6 +15,7 @@ from . import __version__, cli_help
 from .errors import GkError, printable, shown
 from .farm import MAX_PLANS
 from .progress import bar, note
+from .recipe import SCALE_RULES
 from .publish.codec import LEVEL as ZSTD_LEVEL
 from .publish.leases import SKEW, TTL
 from .units import parse_size
@@ -478,6 +479,10 @@ _DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="
                                       "fp8_e4m3, trn3/cpu/cuda fp8_e4m3fn); fp32 keeps it exact.")
 @click.option("--k-scale", type=float, default=1.0, show_default=True, help="FP8 K dequant scale (the recipe's).")
 @click.option("--v-scale", type=float, default=1.0, show_default=True, help="FP8 V dequant scale (the recipe's).")
+@click.option("--scale-rule", type=click.Choice(SCALE_RULES), default="round_up", show_default=True,
+              help="A dense (bf16/fp32) source: how its experts are quantized to MXFP4 for the reference (the build "
+                   "recipe's quantize.scale_rule); the golden also holds the dense original's logits over the same "
+                   "tokens. An MXFP4 source ignores it.")
 @_DEVICE
 @click.option("--scratch-limit", default=None, metavar="SIZE",
               help="The most local disk ($GKBUILD_CACHE and $TMPDIR) the golden may take, sampled as it runs (an "
@@ -488,7 +493,7 @@ _DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
 def golden(ctx, checkpoint, out_file, texts, chat, prompt_ids, continuations, continuation_ids, forced, n_prompts,
-           prompt_len, steps, seed, kv_dtype, k_scale, v_scale, device, scratch_limit, as_json, quiet):
+           prompt_len, steps, seed, kv_dtype, k_scale, v_scale, scale_rule, device, scratch_limit, as_json, quiet):
     """Compute a checkpoint's reference logits, to verify builds against later.
 
     Reference logits for CHECKPOINT (a folder, hf://ORG/NAME@REV, s3://BUCKET/PREFIX or
@@ -497,7 +502,9 @@ def golden(ctx, checkpoint, out_file, texts, chat, prompt_ids, continuations, co
     norm's output and every expert on fixed probe rows, saved as safetensors so a build can be
     verified without transformers. The reference streams the checkpoint one decoder layer at a
     time through transformers' GPT-OSS modules (fp32), decodes MXFP4 with transformers' own
-    dequantization, and rounds K/V as the build's --kv cache does.
+    dequantization, and rounds K/V as the build's --kv cache does. A dense (bf16/fp32) fine-tune's
+    golden is its MXFP4 reference (experts quantized by --scale-rule, as its build does) plus the
+    dense original's logits, from which verify reports the quantization's own effect.
 
     Bytes read from the source: greedy runs one pass for the prompts and one per generated
     position, each re-reading the experts it routes to (a 36-layer 120b at 4 x 32: ~220 GB of a
@@ -510,6 +517,7 @@ def golden(ctx, checkpoint, out_file, texts, chat, prompt_ids, continuations, co
       gkbuild golden s3://bucket/gpt-oss-120b --out g.safetensors --forced --prompts 4 --prompt-len 4 --steps 28 \\
           --scratch-limit 2GiB --json
       gkbuild golden synth://tiny --out g.safetensors --prompt "The capital of France is" --continuation " Paris."
+      gkbuild golden ./my-bf16-finetune --out g.safetensors --forced --scale-rule round_up
     """
     import resource
     import time
@@ -565,7 +573,7 @@ def golden(ctx, checkpoint, out_file, texts, chat, prompt_ids, continuations, co
 
     def work():
         return for_checkpoint(open_source(spec, ranged=True), prompts, steps, fmt, device, quiet or as_json, meta,
-                              cont, reads)
+                              cont, reads, scale_rule)
 
     if limit is None:
         g, disk = work(), None
@@ -614,7 +622,12 @@ def _trust_options(f):
 @_DEVICE
 @click.option("--loose", is_flag=True, help="Accept a golden of another KV format, at the loose tolerances.")
 @click.option("--allow-other-checkpoint", "other_checkpoint", is_flag=True,
-              help="Accept a golden made from another checkpoint than the build's source.")
+              help="Accept a golden made from another checkpoint than the build's source (or quantized by another "
+                   "scale rule).")
+@click.option("--quant-tolerance", type=float, default=None, metavar="KL",
+              help="A dense (bf16/fp32) source: fail when the build's mean per-position KL divergence from the dense "
+                   "original (nats, over the golden's original logits) is above KL. Without it the quantization's "
+                   "effect is only reported. Refused for a golden with no original logits.")
 @click.option("--prefill", type=click.Choice(["nixl"]), default=None,
               help="Disaggregated inference: a prefill engine (its own process on 127.0.0.1) computes each prompt's "
                    "first N-1 positions, NIXL moves their K/V into the build's cache as the transfer plan says, and "
@@ -632,8 +645,9 @@ def _trust_options(f):
 @_trust_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint, prefill,
-           prefill_tp, transfer_timeout, report_dir, scratch_limit, trust, trust_issuer, as_json, quiet):
+def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device, loose, other_checkpoint,
+           quant_tolerance, prefill, prefill_tp, transfer_timeout, report_dir, scratch_limit, trust, trust_issuer, as_json,
+           quiet):
     """Run a build (or a store, in place) and compare it with the reference model, layer by layer.
 
     Run BUILD through the torch twins (every rank emulated, each seeing only its own shards) and
@@ -652,11 +666,17 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
     manifest on the way; the same checks and the same report as of the fetched build. With --trust
     the signature over the manifest is checked before any file is read.
 
+    A build of a dense (bf16/fp32) fine-tune is judged tightly against the MXFP4 reference it was
+    built from; the report also states the quantization's own effect (that reference against the
+    dense original: per-position KL, top-1 agreement) and the build's distance to the original,
+    which --quant-tolerance gates.
+
     Examples:
       gkbuild verify artifacts/tiny-cpu --prompt "Once upon a time" --chat --report artifacts/report
       gkbuild verify artifacts/gpt-oss-120b-trn3 --golden g.safetensors --json
       gkbuild verify artifacts/tiny-cpu --engine compiled --steps 8 -q
       gkbuild verify s3://bucket/builds/120b --golden g.safetensors --scratch-limit 2GiB --trust ci.pub
+      gkbuild verify artifacts/my-bf16-finetune --golden g.safetensors --quant-tolerance 0.05 --report r
     """
     from .publish.shards import is_store
     from .verify import check_prefill, run
@@ -673,7 +693,8 @@ def verify(build_dir, golden_file, texts, chat, steps, n_prompts, engine, device
 
         trust = signing.trust_list(trust, trust_issuer)
     kw = dict(golden=golden_file, steps=steps, prompts=n_prompts, texts=list(texts) or None, chat=chat, engine=engine,
-              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device, trust=trust or None)
+              loose=loose, other_checkpoint=other_checkpoint, quiet=quiet, device=device, trust=trust or None,
+              quant_tolerance=quant_tolerance)
     if scratch_limit is not None:
         from .scratch import within
 
@@ -755,6 +776,24 @@ def _print_verify(rep) -> None:
                   + ", ".join(str(c) for c in rep.coverage), markup=False)
         out.print(f"tail: final norm error {rep.tail_norm_error:.3g}, lm_head error {rep.tail_lm_head_error:.3g} "
                   f"(limit {TAIL_TOL:g})", markup=False)
+    if rep.quantization:
+        _print_quantization(rep.quantization)
+
+
+def _print_quantization(q: dict) -> None:
+    """The quantization section: the MXFP4 reference's own effect and the build's, from the original."""
+    def said(s: dict) -> str:
+        if not s["positions"]:
+            return "no positions"
+        return (f"mean KL {s['mean_kl']:.4g} nats, p99 {s['p99_kl']:.4g}, max {s['max_kl']:.4g} (sequence "
+                f"{s['worst'][0]} position {s['worst'][1]}), top-1 agreement {s['top1_agreement']:.1%} over "
+                f"{s['positions']} positions")
+
+    gate = "reported only (no --quant-tolerance)" if q["tolerance"] is None else \
+        f"--quant-tolerance {q['tolerance']:g}: {'ok' if q['ok'] else 'FAIL'}"
+    out.print(f"quantization ({q['source_layout']} original vs MXFP4, scale rule {q['scale_rule']}): the MXFP4 "
+              f"reference from the original: {said(q['reference'])}; the build from the original: {said(q['build'])}; "
+              f"{gate}", markup=False)
 
 
 @cli.command()

@@ -36,7 +36,7 @@ SECTION_OF = {
     "--clear": "Execution",
     # what it accepts, signs or insists on
     "--sign": "Trust", "--trust": "Trust", "--trust-issuer": "Trust", "--expect": "Trust", "--require-neff": "Trust",
-    "--loose": "Trust", "--allow-other-checkpoint": "Trust",
+    "--loose": "Trust", "--allow-other-checkpoint": "Trust", "--quant-tolerance": "Trust",
     # click's own
     "--help": "Other", "--version": "Other",
 }

@@ -18,6 +18,13 @@ input), ``expert_inputs`` [n, H] and ``expert_outputs`` [L, E, n, H] (every expe
 on fixed probe rows, routed or not) and, in its metadata, each prompt's length (and text, when it
 was given as text), the KV format the reference emulated (dtype and dequant scales), the
 checkpoint's content hash and the tool versions.
+
+A golden of a dense (bf16/fp32) source is the MXFP4 reference's (its experts quantized by the
+build's scale rule, ``quantized.mx_view``), and in addition holds ``original_logits`` [P, T, V]:
+the dense original's logits teacher-forced over the same token ids (one layer-major pass), what
+``quality`` measures the quantization's own effect against; its meta ``quantize`` names the scale
+rule and the source's layout. The tensor is optional: a golden without it (an MXFP4 source's, or an
+older one) is read as before.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .reference import KvFormat
 
 FORMAT = "gkbuild-golden-3"
 TENSORS = ("token_ids", "logits", "hidden", "routing", "router_gap", "final_norm", "expert_inputs", "expert_outputs")
+OPTIONAL = ("original_logits",)  # [P, T, V]: a dense source's original, beside its MXFP4 reference
 FLOATS = {"fp32", "bf16", "fp16"}  # what a golden's values may be stored as
 OLDER = {"gkbuild-golden-1": "no KV format, no router margins",
          "gkbuild-golden-2": "no per-expert probes, no final-norm output"}
@@ -74,6 +82,7 @@ class Golden:
     expert_outputs: torch.Tensor  # [L, E, n, H]
     prompt_lens: list[int]
     meta: dict
+    original_logits: torch.Tensor | None = None  # [P, T, V] the dense original's (a dense source only)
 
     @property
     def prompts(self) -> list[str] | None:
@@ -106,7 +115,8 @@ class Golden:
             raise GkError(f"{tmp}: in the way of the golden's temporary (a link or not a file); refused")
         meta = {"format": FORMAT, "prompt_lens": json.dumps(self.prompt_lens),
                 "meta": json.dumps(self.meta, sort_keys=True)}
-        save_file({k: getattr(self, k).contiguous() for k in TENSORS}, str(tmp), metadata=meta)
+        save_file({k: getattr(self, k).contiguous() for k in TENSORS + OPTIONAL if getattr(self, k) is not None},
+                  str(tmp), metadata=meta)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it owner-only; a golden is shared like any output
@@ -136,7 +146,7 @@ class Golden:
             missing = [k for k in TENSORS if k not in f.keys()]
             if missing:
                 raise GkError(f"{path}: golden file lacks tensor {missing[0]}")
-            t = {k: f.get_tensor(k) for k in TENSORS}
+            t = {k: f.get_tensor(k) for k in TENSORS + OPTIONAL if k in f.keys()}
         try:
             g = cls(**t, prompt_lens=jsonio.loads(meta["prompt_lens"], f"{path}: golden prompt lengths"),
                     meta=jsonio.loads(meta["meta"], f"{path}: golden metadata"))
@@ -152,6 +162,9 @@ class Golden:
         """What is inconsistent in this golden's shapes and metadata, if anything."""
         if self.token_ids.ndim != 2 or self.hidden.ndim != 4 or self.expert_outputs.ndim != 4:
             return "golden tensors have the wrong number of dimensions"
+        if self.original_logits is not None and self.original_logits.shape != self.logits.shape:
+            return (f"golden tensor original_logits is {list(self.original_logits.shape)}, not the logits' "
+                    f"{list(self.logits.shape)}")
         P, T = self.token_ids.shape
         _, L, _, H = self.hidden.shape
         if self.logits.shape[:2] != (P, T) or self.hidden.shape[0] != P or self.hidden.shape[2] != T \
@@ -191,7 +204,7 @@ def replaceable(path: Path) -> None:
 def _values_problem(h, t: dict) -> str | None:
     """Why a golden's value tensors cannot be a reference (integer, or NaN, or infinite where a
     model's numbers are finite: only a router gap is infinite, when every expert is chosen), or None."""
-    for k in TENSORS:
+    for k in TENSORS + tuple(k for k in OPTIONAL if k in t):
         if k in ("token_ids", "routing"):
             continue
         if h.tensors[k].dtype.name not in FLOATS:
@@ -205,12 +218,14 @@ def _values_problem(h, t: dict) -> str | None:
 
 def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_files: list[dict] | None = None,
             kv: KvFormat = KvFormat("bf16"), device: str = "cpu", quiet: bool = True, text: dict | None = None,
-            continuations: list[list[int]] | None = None) -> Golden:
+            continuations: list[list[int]] | None = None, rule: str = "round_up") -> Golden:
     """Run the streamed reference: greedy continuation of each prompt to the longest prompt's
     length plus ``steps`` tokens (or, given ``continuations``, each prompt + its continuation in
     one pass, ``steps`` unused), every position's logits, per-layer hidden states, experts and
     router margins, the final norm's output and every expert on the probe rows, K/V stored as
-    ``kv``. ``text``: {"prompts": [...], "chat": bool} when the prompts were given as text."""
+    ``kv``. ``text``: {"prompts": [...], "chat": bool} when the prompts were given as text. A dense
+    source's experts are quantized by ``rule`` (the build's scale rule), and its dense original is
+    run too, teacher-forced over the same ids: ``original_logits``."""
     try:
         import transformers
     except ImportError:
@@ -219,21 +234,29 @@ def compute(ckpt_dir: Path, prompts: list[list[int]], steps: int, checkpoint_fil
 
     forced = continuations is not None
     seqs = forced_sequences(prompts, continuations) if forced else prompts
-    out = reference.run(ckpt_dir, seqs, 0 if forced else steps, kv, device, quiet)  # equal lengths: one pass
+    info: dict = {}
+    out = reference.run(ckpt_dir, seqs, 0 if forced else steps, kv, device, quiet, rule=rule,
+                        info=info)  # equal lengths: one pass
+    original, quantize = None, None
+    if info["source_layout"] != "mxfp4":  # sequences of one length: one layer-major pass
+        original = reference.run(ckpt_dir, out["token_ids"].tolist(), 0, kv, device, quiet, rule=None)["logits"]
+        quantize = {"scale_rule": rule, "source_layout": info["source_layout"]}
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
             "mode": "forced" if forced else "greedy", "steps": None if forced else steps,
             "vocab_size": out["logits"].shape[-1], "kv": kv.to_meta(), "device": device,
-            "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None, **(text or {})}
-    return Golden(**out, prompt_lens=[len(p) for p in prompts], meta=meta)
+            "checkpoint_sha256": checkpoint_hash(checkpoint_files) if checkpoint_files else None, **(text or {}),
+            **({"quantize": quantize} if quantize else {})}
+    return Golden(**out, prompt_lens=[len(p) for p in prompts], meta=meta, original_logits=original)
 
 
 def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf16"), device: str = "cpu",
                    quiet: bool = True, text: dict | None = None, continuations: list[list[int]] | None = None,
-                   reads: dict | None = None) -> Golden:
+                   reads: dict | None = None, rule: str = "round_up") -> Golden:
     """Reference logits for a checkpoint folder (or a ``checkpoint.ranged.Remote``, read by range),
     recording its content hash. ``reads``, if given, is filled with what was read: ``hash_bytes``
     (read to hash files the listing or the fingerprint cache did not vouch for) and, for a remote,
-    ``bytes`` (every byte read from it, the hash's included) and ``source_bytes``."""
+    ``bytes`` (every byte read from it, the hash's included) and ``source_bytes``. ``rule``: a dense
+    source's scale rule (``compute``)."""
     from .pipeline.fingerprint import Fingerprints, sha256_file
     from .checkpoint.reader import INDEX, weight_files
     from .checkpoint.source import cache_root
@@ -243,7 +266,7 @@ def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf1
     if not isinstance(root, Path):
         files = remote_files(root, fps)
         reads["hash_bytes"] = root.read_bytes
-        g = compute(root, prompts, steps, files, kv, device, quiet, text, continuations)
+        g = compute(root, prompts, steps, files, kv, device, quiet, text, continuations, rule)
         reads["bytes"] = root.read_bytes
         reads["source_bytes"] = sum(root.file(n).size for n in root.weight_files()[0])
         return g
@@ -259,7 +282,7 @@ def for_checkpoint(root: Path, prompts, steps: int, kv: KvFormat = KvFormat("bf1
         files.append({"name": n, "sha256": digest})
     fps.save()
     reads.update(hash_bytes=hashed, bytes=None, source_bytes=sum((root / n).stat().st_size for n in weights))
-    return compute(root, prompts, steps, files, kv, device, quiet, text, continuations)
+    return compute(root, prompts, steps, files, kv, device, quiet, text, continuations, rule)
 
 
 def remote_files(remote, fps) -> list[dict]:

@@ -8,7 +8,9 @@ router are transformers' own modules (``GptOssAttention``, ``GptOssRotaryEmbeddi
 ``GptOssRMSNorm``, ``GptOssTopKRouter``) loaded with the layer's weights; the experts follow
 transformers' ``GptOssExperts`` math (same order of summation), their MXFP4 weights decoded by
 transformers' own dequantization (``hf_mxfp4``), only the experts the router chose, a few rows at a
-time. The first pass also runs every expert of every layer on fixed probe rows (what verify checks
+time. Over a dense (bf16/fp32) source the checkpoint is read through ``quantized.mx_view``: with a
+scale rule, the MXFP4 reference (the quantization the build does); with ``rule=None``, the dense
+original, whose experts are ``x @ w + b`` on the float32 weights as transformers computes them. The first pass also runs every expert of every layer on fixed probe rows (what verify checks
 each expert shard against, routed or not). The embedding is read row by row; the lm_head is converted to float32 once
 (in vocabulary slices) and kept while there are passes left.
 
@@ -169,6 +171,13 @@ def _bf16(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(arr).view(np.int16)).view(torch.bfloat16).float()
 
 
+def dense(ck) -> bool:
+    """Whether ``ck`` serves the dense original's experts (``Quantized`` with no scale rule)."""
+    from .checkpoint.quantized import Quantized
+
+    return isinstance(ck, Quantized) and ck.rule is None
+
+
 class Layer:
     """One decoder layer's transformers modules, loaded from the checkpoint (experts excepted)."""
 
@@ -191,8 +200,8 @@ class Layer:
                           for t in m.state_dict().values())
         self.limit, self.alpha = cfg.swiglu_limit, 1.702
         self.num_experts = cfg.num_local_experts
-        for name in (f"{p}mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj")
-                     for part in ("_blocks", "_scales", "_bias")):
+        self.dense = dense(ck)
+        for name in self._mx() + [f"{p}mlp.experts.{proj}_bias" for proj in names.PROJS]:
             ck.read(name, 0, 0)  # its file mapped here: the experts are read on the pool's threads
 
     @staticmethod
@@ -202,9 +211,10 @@ class Layer:
         return t
 
     def _mx(self) -> list[str]:
-        """The names of this layer's MXFP4 expert tensors (blocks and scales of both projections)."""
-        return [f"{self.prefix}mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj")
-                for part in ("_blocks", "_scales")]
+        """The names of this layer's expert weights: MXFP4 blocks and scales of both projections, or
+        the dense original's ``gate_up_proj`` / ``down_proj``."""
+        parts = ("",) if self.dense else ("_blocks", "_scales")
+        return [f"{self.prefix}mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj") for part in parts]
 
     def prefetch(self, e: int) -> None:
         """Start reading expert e's MXFP4 weights from disk (they are read when computed: at 36
@@ -216,6 +226,8 @@ class Layer:
         """Expert e of this layer on rows x [n, H] (transformers' GptOssExperts math, float32),
         its MXFP4 weights decoded as transformers decodes them (``hf_mxfp4``) a few rows at a time.
         ``check``: first compare that decode with a real ``convert_moe_packed_tensors`` call."""
+        if self.dense:
+            return self._dense_expert(e, x)
         ck, p = self.ck, self.prefix + "mlp.experts."
         w = {}
         for proj in ("gate_up_proj", "down_proj"):
@@ -229,6 +241,19 @@ class Layer:
         for name in self._mx():
             ck.release(name, e, e + 1)
         return y + w["down_proj"][2]
+
+    def _dense_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e of the dense original: ``gate_up_proj`` [H, 2I] and ``down_proj`` [I, H] as float32,
+        ``x @ w + b`` (transformers==5.24.0 transformers/models/gpt_oss/modeling_gpt_oss.py:108-110,
+        the gate at :82-88)."""
+        ck, p = self.ck, self.prefix + "mlp.experts."
+        w = {proj: (torch.from_numpy(np.array(ck.read(p + proj, e, e + 1)[0], np.float32)).to(self.device),
+                    _bf16(ck.read(p + proj + "_bias", e, e + 1)[0]).to(self.device)) for proj in names.PROJS}
+        for name in self._mx():
+            ck.release(name, e, e + 1)
+        h = x @ w["gate_up_proj"][0] + w["gate_up_proj"][1]
+        gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
+        return ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ w["down_proj"][0] + w["down_proj"][1]
 
     def experts(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
                 probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -312,6 +337,12 @@ def build_kv(m: dict) -> KvFormat:
     return KvFormat.from_meta(kv_meta(m))
 
 
+def build_rule(m: dict) -> str:
+    """The scale rule a build quantized its dense source's experts by (its manifest's
+    ``source.quantize``), the default one for an MXFP4 source (which has none, and ignores it)."""
+    return (m["source"].get("quantize") or {}).get("scale_rule", "round_up")
+
+
 def host_memory() -> int:
     """This host's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -336,17 +367,22 @@ def check_size(cfg, prompts: list[list[int]], steps: int) -> None:
                       f"give fewer or shorter prompts or fewer steps")
 
 
-def open_checkpoint(root) -> Checkpoint:
-    """A checkpoint folder mapped, or a ``checkpoint.ranged.Remote`` read by range."""
+def open_checkpoint(root, rule: str | None = "round_up") -> Checkpoint:
+    """A checkpoint folder mapped, or a ``checkpoint.ranged.Remote`` read by range, as the reference
+    reads it (``quantized.mx_view``): an MXFP4 one as it is; a dense one quantized by ``rule`` (the
+    MXFP4 reference of a build with that scale rule) or, with ``rule=None``, its dense original."""
+    from .checkpoint.quantized import mx_view
+
     if isinstance(root, Path | str):
-        return Checkpoint.open(root)
+        return mx_view(Checkpoint.open(root), rule)
     from .checkpoint.ranged import RangedCheckpoint
 
-    return RangedCheckpoint.open_remote(root)
+    return mx_view(RangedCheckpoint.open_remote(root), rule)
 
 
 def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvFormat(), device: str = "cpu",
-        quiet: bool = True, on_kv=None) -> dict[str, torch.Tensor]:
+        quiet: bool = True, on_kv=None, rule: str | None = "round_up", info: dict | None = None
+        ) -> dict[str, torch.Tensor]:
     """(``root``: a checkpoint folder, or a ``checkpoint.ranged.Remote``.) Greedy continuation of each prompt until every sequence has ``max(len(prompt)) + steps``
     tokens, layer by layer: one pass for the prompts' common prefix, one a position after it.
     Returns ``token_ids`` [P, T], ``logits`` [P, T, V], ``hidden`` [P, L, T, H] (after every
@@ -355,7 +391,9 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
     output: the lm_head's input), ``expert_inputs`` [n, H] and ``expert_outputs`` [L, E, n, H]
     (every expert of every layer on the probe rows).
     ``on_kv(layer, k, v)`` sees each pass's new K (after RoPE) and V [P, kv heads, n, d] before
-    the cache rounds them (a DI prefill writes them in its own layout)."""
+    the cache rounds them (a DI prefill writes them in its own layout). ``rule``: how a dense
+    source's experts are read (``open_checkpoint``); an MXFP4 source ignores it. ``info``, if given,
+    gets ``source_layout``: how the source holds its experts (``names.LAYOUTS``)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -365,7 +403,9 @@ def run(root: Path, prompts: list[list[int]], steps: int, kv: KvFormat = KvForma
     heap.reuse_large_blocks()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the parallelism is the experts' (parallel.each); tiny matmuls gain nothing
-    ck = open_checkpoint(root)
+    ck = open_checkpoint(root, rule)
+    if info is not None:
+        info["source_layout"] = getattr(ck, "source_layout", ck.layout)
     try:
         cfg = hf_config(root, kv)
         V, L = cfg.vocab_size, cfg.num_hidden_layers

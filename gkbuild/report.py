@@ -5,7 +5,9 @@ Plots: max |logit error| by sequence x position; hidden-state relative error by 
 on the reference's input, the worst expert, and the limits); top-k agreement by position; the
 reference's router margins and the forced routings by layer; routing coverage by layer. Text: the
 tolerance tier and the verdict, what departs first, the tail, and each sequence's continuation by
-the reference and by the build.
+the reference and by the build. A dense source's golden adds the section "Quantization (bf16
+original vs MXFP4)": the MXFP4 reference's and the build's KL from the original and their top-1
+agreement, in numbers and a plot by position.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from .errors import GkError
 
 FILES = ("report.json", "report.html")
+QUANT_PLOT = "KL from the original and top-1 agreement by position"
 
 
 def write(rep: dict, out: Path, title: str) -> list[Path]:
@@ -151,7 +154,72 @@ def plots(rep: dict) -> list[tuple[str, object]]:
     _counted(ax)
     _legend(ax)
     out.append(("routing coverage by layer", fig))
+    if rep.get("quantization"):
+        out.append((QUANT_PLOT, _quant_figure(rep["quantization"])))
     return out
+
+
+def _by_position(rows: list[list], reduce) -> list[float]:
+    """A [sequence][position] table (None: not judged) reduced over the sequences at each position."""
+    nan = float("nan")
+    cols = zip(*[[nan if v is None else float(v) for v in row] for row in rows])
+    return [reduce(v) if v else nan for v in ([x for x in c if x == x] for c in cols)]
+
+
+def _quant_figure(q: dict):
+    """KL (nats) of the MXFP4 reference and of the build from the dense original by position (mean
+    over sequences, the worst dotted), and the share of sequences whose top-1 agrees with it."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 4.5), sharex=True, layout="constrained")
+    # the build is usually on top of its reference: thin dashes over a wide line keep both in sight
+    series = [(k, label, c, style) for k, label, c, style in (
+        ("reference", "MXFP4 reference", "tab:blue", {"lw": 4, "alpha": 0.5}),
+        ("build", "build", "tab:red", {"lw": 1.2, "ls": "--"})) if q.get(k)]
+    top = 0.0
+    for k, label, c, style in series:
+        kl = q[k]["kl"]
+        where = range(len(kl[0]) if kl else 0)
+        mean, worst = _by_position(kl, lambda v: sum(v) / len(v)), _by_position(kl, max)
+        top = max([top, *(v for v in worst if v == v)])
+        ax.plot(where, mean, marker="o", ms=3, color=c, label=f"{label}: mean KL", **style)
+        ax.plot(where, worst, ":", color=c, label=f"{label}: worst KL")
+        agree = [[None if m is None else float(a) for a, m in zip(ar, mr)] for ar, mr in zip(q[k]["top1"], kl)]
+        ax2.step(where, _by_position(agree, lambda v: sum(v) / len(v)), where="mid", color=c,
+                 label=f"{label}: top-1 agreement", **style)
+    tol = q.get("tolerance")
+    if tol is not None and tol <= 3 * top:  # a far higher gate would flatten the curves: it is in the table
+        ax.axhline(tol, color="k", ls="--", lw=1, label="--quant-tolerance (mean)")
+    ax.set_ylabel("KL from the original (nats)")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_ylabel("top-1 agreement\n(share of sequences)")
+    ax2.set_xlabel("position")
+    _counted(ax2)
+    _legend(ax, ax2)
+    return fig
+
+
+def _quant_section(q: dict, figs: str) -> str:
+    """The HTML of the quantization section: a table of both measures, then the plot."""
+    e = html.escape
+
+    def cells(s: dict | None) -> str:
+        if not s or not s["positions"]:
+            return "<td>n/a</td>" * 6
+        worst = f"sequence {s['worst'][0]}, position {s['worst'][1]}"
+        return "".join(f"<td>{e(v)}</td>" for v in (_g(s["mean_kl"]), _g(s["p99_kl"]), _g(s["max_kl"]), worst,
+                                                     f"{s['top1_agreement']:.1%}", str(s["positions"])))
+
+    gate = "reported only" if q.get("tolerance") is None else \
+        f"mean KL of the build at most {q['tolerance']:g} nats: {'PASS' if q['ok'] else 'FAIL'}"
+    layout = q.get("source_layout") or "dense"
+    return (f"<h2>Quantization ({e(layout)} original vs MXFP4)</h2>"
+            f"<p>Scale rule {e(str(q.get('scale_rule')))}. KL(original || other) in nats per position; the build is "
+            f"judged above against the MXFP4 reference it was built from. Gate (--quant-tolerance): {e(gate)}.</p>"
+            "<table><tr><th>from the original</th><th>mean KL</th><th>p99 KL</th><th>max KL</th><th>worst at</th>"
+            "<th>top-1 agreement</th><th>positions</th></tr>"
+            f"<tr><th>MXFP4 reference (the quantization's own effect)</th>{cells(q.get('reference'))}</tr>"
+            f"<tr><th>build</th>{cells(q.get('build'))}</tr></table>{figs}")
 
 
 def page(rep: dict, title: str, plots: list[tuple[str, str]]) -> str:
@@ -171,8 +239,12 @@ def page(rep: dict, title: str, plots: list[tuple[str, str]]) -> str:
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in facts)
     texts = "".join(f"<tr><td>{i}</td><td>{e(t['prompt'])}</td><td>{e(t['reference'])}</td><td>{e(t['build'])}</td>"
                     f"<td>{t['agree']}/{t['length']}</td></tr>" for i, t in enumerate(rep["texts"]))
-    figs = "".join(f"<figure><img alt=\"{e(c)}\" src=\"data:image/png;base64,{b}\"><figcaption>{e(c)}</figcaption>"
-                   f"</figure>" for c, b in plots)
+    def fig(c: str, b: str) -> str:
+        return f"<figure><img alt=\"{e(c)}\" src=\"data:image/png;base64,{b}\"><figcaption>{e(c)}</figcaption></figure>"
+
+    figs = "".join(fig(c, b) for c, b in plots if c != QUANT_PLOT)
+    quant = _quant_section(rep["quantization"], "".join(fig(c, b) for c, b in plots if c == QUANT_PLOT)) \
+        if rep.get("quantization") else ""
     color = "#1a7f37" if rep["ok"] else "#cf222e"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
@@ -183,6 +255,7 @@ figcaption{{font-size:90%;color:#57606a}}</style></head>
 <body><h1>{e(title)}: <span>{verdict}</span></h1>
 <table>{rows}</table>
 {figs}
+{quant}
 <h2>Continuations (teacher-forced: the build's next-token choice at each position)</h2>
 <table><tr><th>seq</th><th>prompt</th><th>reference</th><th>build</th><th>agree</th></tr>{texts}</table>
 </body></html>

@@ -29,6 +29,12 @@ Beyond the logits, each part of the build is held to the reference on its own:
   output, and its lm_head on the reference's norm output against the reference's logits
   (``TAIL_TOL``).
 The report names the first layer that departs on its own, or the tail's part.
+
+A dense (bf16/fp32) source's golden also holds the dense original's logits (``golden.OPTIONAL``):
+the build is still judged tightly against the MXFP4 reference it was built from, and the report's
+``quantization`` section states apart the quantization's own effect (the MXFP4 reference against
+the original) and the build's distance to the original (``quality``: per-position KL, top-1
+agreement), the latter gated by ``quant_tolerance`` (mean KL, nats) when one is given.
 """
 
 from __future__ import annotations
@@ -155,6 +161,21 @@ class Report:
     unjudged: int = 0  # positions left unjudged: from a true tie of the reference a compiled program cannot be steered at
     stages: dict = field(default_factory=dict)  # {stage: {"wall": s, "cpu": s}} where the verify's time went
     store_read: dict | None = None  # a store verified in place: {"read": bytes from its blobs, "stored": their size}
+    # a dense source's golden: {"scale_rule", "source_layout", "reference": ..., "build": ...} (quality.section),
+    # with "tolerance" (--quant-tolerance, or None) and "ok"
+    quantization: dict | None = None
+
+    @property
+    def quant_fails(self) -> bool:
+        q = self.quantization
+        return q is not None and not q["ok"]
+
+    def quant_failure(self) -> str:
+        """The quantization gate's verdict in words (the build's mean KL from the original)."""
+        q, b = self.quantization, self.quantization["build"]
+        return (f"the build's mean KL from the {q['source_layout']} original is {b['mean_kl']:.4g} nats, over "
+                f"--quant-tolerance {q['tolerance']:g} (worst: sequence {b['worst'][0]} position {b['worst'][1]}, "
+                f"{b['max_kl']:.4g} nats; the MXFP4 reference's own mean KL is {q['reference']['mean_kl']:.4g})")
 
     @property
     def too_many_forced(self) -> bool:
@@ -182,6 +203,11 @@ class Report:
         if self.too_many_forced:
             what.append(f"routing was forced at true ties on {self.routing_forced} of {self.routing_total} "
                         f"token-layers (more than {MAX_FORCED:.0%})")
+        quant = self.quant_fails
+        if quant and not what:  # the build is faithful to its MXFP4 reference: only the gate failed
+            return f"verify failed: {self.quant_failure()}"
+        if quant:
+            what.append(self.quant_failure())
         di = f" (decoding from position {self.prefilled} on KV pulled over NIXL)" if self.prefilled else ""
         return (f"verify failed{di}: {'; '.join(what)}; the first part to depart from the reference is "
                 f"{self.culprit or 'not one part alone (the logits as a whole)'}")
@@ -210,7 +236,7 @@ class Report:
                 "unmodeled_switches": self.unmodeled, "prefilled": self.prefilled,
                 "positions_unjudged": self.unjudged,
                 "stages": {k: {"wall": round(v["wall"], 3), "cpu": round(v["cpu"], 3)} for k, v in self.stages.items()},
-                "store_read": self.store_read,
+                "store_read": self.store_read, "quantization": self.quantization,
                 "steps": [{"step": s.step, "top1_exact": s.top1_exact, "top1_near": s.top1_near,
                            "top1_wrong": s.top1_wrong, "max_err": {str(k): v for k, v in s.max_err.items()},
                            "min_cosine": s.min_cosine, "top5_overlap": s.top5_overlap, "ok": s.ok}
@@ -313,7 +339,7 @@ def _check_ids(g, model: dict) -> None:
 def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, prompt_len: int = 4,
         texts: list[str] | None = None, chat: bool = False, engine: str = "twin", loose: bool = False,
         other_checkpoint: bool = False, quiet: bool = True, device: str = "cpu", prefill=None,
-        trust: list | None = None) -> Report:
+        trust: list | None = None, quant_tolerance: float | None = None) -> Report:
     """Verify a build against a golden (computed from the build's source, in the build's KV format,
     when none is given: from ``texts`` through the checkpoint's tokenizer, else random token ids),
     running it through the torch twins (``kernels.replay``, every rank emulated), (``engine=
@@ -323,7 +349,9 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     (``di.decode.Prefill``): the prompts' first N-1 positions come from a prefill engine over NIXL
     (``di.decode.pull``); the build then decodes step by step, and is judged, from position N-1 on.
     ``build_dir`` may be a store (``publish.shards``): each file is read from its blob and hashed
-    as the twins first need it; ``trust`` (``signing.trust_list``): who must have signed the build."""
+    as the twins first need it; ``trust`` (``signing.trust_list``): who must have signed the build.
+    ``quant_tolerance`` (nats): fail when the build's mean per-position KL from a dense source's
+    original (the golden's ``original_logits``) is above it; refused for a golden without them."""
     from .golden import Golden
     from .pipeline.manifest import checkpoint_hash
     from .runtime import Build
@@ -347,6 +375,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         neuron_run.check(m)  # before a golden is computed: one line where no Trainium is
     fmt = build_kv(m)
     clock = Clock()
+    if quant_tolerance is not None and not (quant_tolerance >= 0 and math.isfinite(quant_tolerance)):
+        raise GkError(f"--quant-tolerance {quant_tolerance}: give a KL in nats, finite and at least 0")
+    if golden is None and quant_tolerance is not None and not m["source"].get("quantize"):
+        raise GkError(_NO_ORIGINAL)  # before a golden is computed
     if golden is None:
         from .kernels.driver import check_run
 
@@ -361,6 +393,10 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         if not other_checkpoint and g.meta.get("checkpoint_sha256") not in (None, want):
             raise GkError(f"{golden}: the golden was made from another checkpoint than this build's source "
                           f"(--allow-other-checkpoint to compare anyway)")
+        if not other_checkpoint:
+            _check_rule(golden, g.meta, m)
+    if quant_tolerance is not None and g.original_logits is None:
+        raise GkError(_NO_ORIGINAL)
     kv = tier(g.kv, fmt, loose)
     P, T = g.token_ids.shape
     L = g.hidden.shape[1]
@@ -372,7 +408,7 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
     if P > batch:
         raise GkError(f"the golden has {P} sequences; the build decodes batches of at most {batch}")
     if engine == "neuron":
-        return _on_neuron(build, g, batch, kv)
+        return _on_neuron(build, g, batch, kv, quant_tolerance)
     from . import heap
 
     heap.reuse_large_blocks()
@@ -389,12 +425,54 @@ def run(build_dir, golden=None, steps: int = 16, prompts: int | None = None, pro
         rep.golden_kv, rep.build_kv = _name(g.kv), _name(fmt)
         rep.prefilled = t0
         _judge(rep, g, facts, kv)
+    if g.original_logits is not None:
+        with clock.stage("quantization"):
+            _quantization(rep, g, ours, t0, facts.unjudged, quant_tolerance)
     with clock.stage("texts"):
         rep.texts = continuations(g, ours.argmax(-1), _tokenizer(m))
     rep.unmodeled = unmodeled_switches(m)
     rep.stages = clock.spent
     rep.store_read = build.store_read
     return rep
+
+
+_NO_ORIGINAL = ("--quant-tolerance: the golden holds no dense original's logits (it is not of a bf16/fp32 source), "
+                "so there is nothing to measure the quantization against")
+
+
+def _rule_of(meta: dict | None) -> str | None:
+    return (meta or {}).get("scale_rule")
+
+
+def _check_rule(golden, meta: dict, m: dict) -> None:
+    """A golden's quantization must be the build's: the same scale rule over a dense source (or none
+    on both sides), else one line."""
+    ours, theirs = _rule_of(m["source"].get("quantize")), _rule_of(meta.get("quantize"))
+    if ours != theirs:
+        said = lambda r: f"scale rule {r}" if r else "none (an MXFP4 source)"  # noqa: E731
+        raise GkError(f"{golden}: the golden's quantization is {said(theirs)}, the build's {said(ours)}; make the "
+                      f"golden with the build's rule"
+                      + (f" (gkbuild golden --scale-rule {ours})" if ours else "")
+                      + " (--allow-other-checkpoint to compare anyway)")
+
+
+def _quantization(rep: Report, g, ours: torch.Tensor, t0: int, unjudged, tolerance: float | None) -> None:
+    """The quantization section (``quality.section``) of a dense source's golden, and its gate."""
+    from . import quality
+
+    P, T = g.token_ids.shape
+    keep = torch.ones(P, T, dtype=torch.bool)
+    keep[:, :t0] = False  # a DI prefill's positions are not the build's
+    if unjudged is not None:
+        keep &= ~unjudged[..., -1]
+    q = quality.section(g.original_logits, g.logits, ours, keep)
+    quantize = g.meta.get("quantize") or {}
+    q.update(scale_rule=quantize.get("scale_rule"), source_layout=quantize.get("source_layout", "dense"),
+             tolerance=tolerance)
+    mean = q["build"]["mean_kl"]
+    q["ok"] = tolerance is None or (mean is not None and mean <= tolerance)
+    rep.quantization = q
+    rep.ok = rep.ok and q["ok"]
 
 
 def _tokenizer(m: dict):
@@ -428,7 +506,9 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
     run the build cannot hold, called once the length is known (text prompts: their token count)."""
     from .checkpoint.source import open_source, parse
     from .golden import default_prompts, for_checkpoint
+    from .reference import build_rule
 
+    rule = build_rule(m)
     # A folder source is recorded as the recipe wrote it: relative paths resolve from here.
     spec = parse(m["source"]["uri"], base=Path.cwd())
     if texts:
@@ -436,10 +516,11 @@ def _golden_for(m: dict, fmt: KvFormat, texts, chat: bool, n: int, prompt_len: i
 
         ids = text.encode(text.tokenizer(spec), texts, chat)
         fits(max(map(len, ids)) + steps)
-        return for_checkpoint(open_source(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat})
+        return for_checkpoint(open_source(spec), ids, steps, fmt, device, quiet, {"prompts": list(texts), "chat": chat},
+                              rule=rule)
     fits(prompt_len + steps)
     return for_checkpoint(open_source(spec), default_prompts(m["model"]["vocab_size"], n, prompt_len), steps, fmt,
-                          device, quiet)
+                          device, quiet, rule=rule)
 
 
 @dataclass
@@ -634,7 +715,7 @@ def _finite_json(x):
     return x
 
 
-def _on_neuron(build, g, batch: int, kv: str) -> Report:
+def _on_neuron(build, g, batch: int, kv: str, quant_tolerance: float | None = None) -> Report:
     """The Neuron programs on this host's NeuronCores (``compile.neuron_run``): logits only, so the
     report has no per-layer attribution; every replica of a sequence must agree (keep the worst)."""
     import tempfile
@@ -652,5 +733,8 @@ def _on_neuron(build, g, batch: int, kv: str) -> Report:
         mine = logits[rows == p]
         worst = (mine - g.logits[p]).abs().amax(dim=(1, 2)).argmax()
         ours[p] = mine[worst]
-    return compare(ours, g.logits, kv)
+    rep = compare(ours, g.logits, kv)
+    if g.original_logits is not None:
+        _quantization(rep, g, ours, 0, None, quant_tolerance)
+    return rep
 

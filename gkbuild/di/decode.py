@@ -76,14 +76,14 @@ def plan_of(build, prefill_tp: int, num_blocks: int | None = None) -> dict:
 def prefill_args(build, tp: int, num_blocks: int) -> list[str]:
     """The prefill engine for a build: its source checkpoint, the build's KV format and block size."""
     from ..checkpoint.source import materialize, parse
-    from ..reference import build_kv
+    from ..reference import build_kv, build_rule
 
     m = build.manifest
     root = materialize(parse(m["source"]["uri"], base=Path.cwd()))
     fmt = build_kv(m)
     return ["--checkpoint", str(root), "--kv", fmt.dtype, "--k-scale", repr(fmt.k_scale), "--v-scale",
             repr(fmt.v_scale), "--block-size", str(m["layout"]["kv"]["block_size"]), "--tp", str(tp),
-            "--num-blocks", str(num_blocks)]
+            "--num-blocks", str(num_blocks), "--scale-rule", build_rule(m)]
 
 
 def pool_blocks(prompts: int, length: int, block: int, window: int) -> int:

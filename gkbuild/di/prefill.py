@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GkError
+from ..recipe import SCALE_RULES
 from ..reference import KV_FORMATS, KvFormat
 from . import nixl, wire
 from .plan import HALVES, prefill_heads
@@ -54,6 +55,7 @@ class Engine:
     head_dim: int
     window: int
     vocab_size: int
+    scale_rule: str = "round_up"  # a dense source's experts quantized so (the build's rule)
 
     @property
     def kv_per_rank(self) -> int:
@@ -172,7 +174,7 @@ class Server:
             ks[layer] = e.fmt.encode(k, e.fmt.k_scale)
             vs[layer] = e.fmt.encode(v, e.fmt.v_scale)
 
-        run(e.checkpoint, prompts, 0, e.fmt, on_kv=keep)
+        run(e.checkpoint, prompts, 0, e.fmt, on_kv=keep, rule=e.scale_rule)
         return ks, vs
 
     def _write(self, kv: tuple[list, list], r: int, n: int, full: list[int], swa: dict[int, int]) -> None:
@@ -264,7 +266,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     if cfg.num_key_value_heads % a.tp and a.tp % cfg.num_key_value_heads:
         raise GkError(f"--tp {a.tp}: {cfg.num_key_value_heads} kv heads do not split over it")
     return Engine(Path(a.checkpoint), fmt, a.block_size, a.tp, a.num_blocks, cfg.num_hidden_layers,
-                  cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window, cfg.vocab_size)
+                  cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window, cfg.vocab_size, a.scale_rule)
 
 
 def _exit_with_parent() -> None:
@@ -283,6 +285,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv", required=True, choices=KV_FORMATS, help="KV format the engine stores")
     ap.add_argument("--k-scale", type=float, default=1.0, help="FP8 K dequant scale")
     ap.add_argument("--v-scale", type=float, default=1.0, help="FP8 V dequant scale")
+    ap.add_argument("--scale-rule", choices=SCALE_RULES, default="round_up",
+                    help="how a dense source's experts are quantized (the build's recipe)")
     ap.add_argument("--block-size", type=int, required=True)
     ap.add_argument("--tp", type=int, default=4, help="prefill ranks (kv heads split over them)")
     ap.add_argument("--num-blocks", type=int, required=True, help="blocks in each rank's pool")
