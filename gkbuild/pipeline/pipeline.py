@@ -274,7 +274,9 @@ class _Build:
         self.scale_rule = None if self.source_layout == "mxfp4" else self.recipe.quantize.scale_rule
         self._validated = checked
         self.report("validate", not cached, t0,
-                    f"{len(self.names)} files, headers {'read by range' if self.remote else 'checked'}")
+                    f"{len(self.names)} files, headers {'read by range' if self.remote else 'checked'}"
+                    + (f"; {self.source_layout} experts, quantized to MXFP4 ({self.scale_rule}) as the expert "
+                       f"shards are written" if self.scale_rule else ""))
 
     def plan(self) -> None:
         t0 = time.perf_counter()
