@@ -91,7 +91,7 @@ def synth(preset, out_dir, layers, seed, dtype, max_shard_size, force, quiet):
 @cli.command()
 @click.argument("src", metavar="SRC")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder to write.")
-@click.option("--scale-rule", type=click.Choice(["round_up", "floor"]), default="round_up", show_default=True,
+@click.option("--scale-rule", type=click.Choice(SCALE_RULES), default="round_up", show_default=True,
               help="round_up: triton_kernels' downcast_to_mxfp (what transformers' MXFP4 integration calls); "
                    "floor: OCP MX v1.0 (torchao's to_mx FLOOR).")
 @click.option("--max-shard-size", default="4GB", show_default=True, help="Split weight files at this size.")
