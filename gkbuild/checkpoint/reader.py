@@ -134,10 +134,8 @@ class Checkpoint:
             where = f"{info.file}: tensor {name}" + (f"[{lo}:{hi}]" if lo is not None else "")
             if name.endswith("_scales"):
                 check_scales(arr, where)
-            elif info.dtype.name == "bf16":
-                check_finite_bf16(arr, where)
-            elif info.dtype.name == "fp32":
-                check_finite_fp32(arr, where)
+            elif info.dtype.name in _EXPONENT:
+                check_finite(arr, info.dtype.name, where)
             self._checked.add((name, lo, hi))
         return arr
 
@@ -197,33 +195,24 @@ class Checkpoint:
 MAX_INDEX = 64 << 20  # the 120b index is ~100 KB
 
 
-def check_finite_bf16(arr: np.ndarray, where: str) -> None:
-    """A bf16 NaN or infinity (exponent bits all ones) means a corrupt or diverged checkpoint:
-    refused where it is read, so a build never carries one into its shards. Checked in 8 MiB
-    pieces: the temporary stays small whatever the tensor."""
+# A float's exponent bits, all ones for NaN and infinity: (bits as, mask), by dtype name.
+_EXPONENT = {"bf16": ("uint16", 0x7F80), "fp32": ("uint32", 0x7F800000)}
+
+
+def check_finite(arr: np.ndarray, dtype: str, where: str) -> None:
+    """A NaN or infinity (exponent bits all ones) in a bf16 or fp32 tensor means a corrupt or
+    diverged checkpoint: refused where it is read, so a build never carries one into its shards.
+    Checked in 8 MiB pieces: the temporary stays small whatever the tensor."""
     import numpy as np
 
-    bits = np.asarray(arr).view(np.uint16).reshape(-1)
-    step = 4 << 20
+    view, mask = _EXPONENT[dtype]
+    bits = np.asarray(arr).view(view).reshape(-1)
+    step = (8 << 20) // bits.itemsize
     for start in range(0, bits.size, step):
-        exp = np.bitwise_and(bits[start:start + step], 0x7F80)
-        if exp.max() == 0x7F80:
-            bad = np.flatnonzero(exp == 0x7F80)
-            raise GkError(f"{where}: non-finite bf16 value(s) (NaN or infinity), first at flat index "
-                          f"{start + int(bad[0])}")
-
-
-def check_finite_fp32(arr: np.ndarray, where: str) -> None:
-    """``check_finite_bf16`` for fp32 (a checkpoint saved in float32)."""
-    import numpy as np
-
-    bits = np.asarray(arr).view(np.uint32).reshape(-1)
-    step = 2 << 20
-    for start in range(0, bits.size, step):
-        exp = np.bitwise_and(bits[start:start + step], 0x7F800000)
-        if exp.max() == 0x7F800000:
-            bad = np.flatnonzero(exp == 0x7F800000)
-            raise GkError(f"{where}: non-finite fp32 value(s) (NaN or infinity), first at flat index "
+        exp = np.bitwise_and(bits[start:start + step], mask)
+        if exp.max() == mask:
+            bad = np.flatnonzero(exp == mask)
+            raise GkError(f"{where}: non-finite {dtype} value(s) (NaN or infinity), first at flat index "
                           f"{start + int(bad[0])}")
 
 
