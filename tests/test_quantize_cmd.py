@@ -104,7 +104,20 @@ def _mx_tensors(folder) -> dict:
     return {n: np.array(ck.read(n)) for n in ck.where}
 
 
-def test_round_trip_through_transformers_dequantize(ckpts, tmp_path):
+@pytest.fixture(scope="module")
+def dequantized(ckpts, tmp_path_factory):
+    """synth's MXFP4 checkpoint dequantized as training does: transformers with
+    Mxfp4Config(dequantize=True), then save_pretrained."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    out = tmp_path_factory.mktemp("deq") / "deq"
+    m = GptOssForCausalLM.from_pretrained(str(ckpts["mxfp4"]), quantization_config=Mxfp4Config(dequantize=True),
+                                          dtype=torch.bfloat16)
+    m.save_pretrained(out)
+    return out
+
+
+def test_round_trip_through_transformers_dequantize(ckpts, dequantized, tmp_path):
     """Done when: synth's MXFP4 checkpoint, dequantized as training does (transformers with
     Mxfp4Config(dequantize=True), save_pretrained), quantized back with round_up: every value is
     the original's. The bytes are too, except in the blocks whose largest |e2m1| M is below 4
@@ -112,16 +125,11 @@ def test_round_trip_through_transformers_dequantize(ckpts, tmp_path):
     the block max, so such a block comes back k = 1 (M in {2, 3}), 2 (M in {1, 1.5}) or 3 (M = 0.5)
     scale steps lower with every code value 2^k times larger (the same values; quantize.py's
     docstring)."""
-    from transformers import GptOssForCausalLM, Mxfp4Config
-
-    m = GptOssForCausalLM.from_pretrained(str(ckpts["mxfp4"]), quantization_config=Mxfp4Config(dequantize=True),
-                                          dtype=torch.bfloat16)
-    m.save_pretrained(tmp_path / "deq")
-    saved = json.loads((tmp_path / "deq" / "config.json").read_text())
+    saved = json.loads((dequantized / "config.json").read_text())
     ours = json.loads((ckpts["bf16"] / "config.json").read_text())
     assert "quantization_config" not in saved and saved["dtype"] == ours["dtype"] == "bfloat16"
-    assert Checkpoint.open(tmp_path / "deq").layout == "bf16"  # our reader reads transformers' own output
-    r = run_cli("quantize", str(tmp_path / "deq"), "--out", str(tmp_path / "back"), "--scale-rule", "round_up", "-q")
+    assert Checkpoint.open(dequantized).layout == "bf16"  # our reader reads transformers' own output
+    r = run_cli("quantize", str(dequantized), "--out", str(tmp_path / "back"), "--scale-rule", "round_up", "-q")
     assert r.returncode == 0, r.stderr
     a, b = _mx_tensors(ckpts["mxfp4"]), _mx_tensors(tmp_path / "back")
     assert set(a) == set(b)
@@ -144,6 +152,52 @@ def test_round_trip_through_transformers_dequantize(ckpts, tmp_path):
         moved, total = moved + int((~same).sum()), total + same.size
     print(f"round trip: {moved} of {total} blocks re-scaled (max |e2m1| < 4), every value identical")
     assert 0 < moved < total * 1e-3
+
+
+def test_the_builds_of_the_original_and_its_round_trip_differ_only_where_the_bytes_may(ckpts, dequantized, tmp_path):
+    """Done when: the build from the MXFP4 original and the build from its transformers-dequantized
+    bf16 (quantized back by the build, round_up). Not byte for byte, and why: the manifests differ in
+    the source they name (files, hashes, layout, quantize; the recipe's source path; the keys
+    transformers' save_pretrained adds to config.json, which the manifest's model carries) and so the
+    stage keys and the build id, and in the expert shards holding a re-scaled block (the test above:
+    same values, another (scale, codes) spelling).
+    Every other shard is equal byte for byte, and every expert shard decodes to the same values."""
+    from safetensors.numpy import load_file
+
+    from gkbuild.layout import experts_mx
+    from gkbuild.layout.dims import Dims
+    from tests.conftest import RECIPES
+
+    m = {}
+    for name, src in (("original", ckpts["mxfp4"]), ("round trip", dequantized)):
+        out = tmp_path / name.replace(" ", "-")
+        r = run_cli("compile", str(RECIPES / "tiny-cpu.yaml"), "--set", f"source={src}", "--out", str(out),
+                    "--no-compile", "-q")
+        assert r.returncode == 0, r.stderr
+        m[name] = (out, json.loads((out / "manifest.json").read_text()))
+    (a_dir, a), (b_dir, b) = m["original"], m["round trip"]
+    assert b["source"]["layout"] == "bf16" and b["source"]["quantize"]["scale_rule"] == "round_up"
+    assert "layout" not in a["source"] and a["build_id"] != b["build_id"]
+    same = {k for k in a if a[k] == b.get(k)}
+    assert set(a) - same == {"source", "files", "build_id", "stages", "recipe", "model"}, set(a) - same
+    # the recipe names another source folder; save_pretrained's config.json carries keys synth's does not
+    assert {**a["recipe"]["resolved"], "source": None} == {**b["recipe"]["resolved"], "source": None}
+    assert {k for k in a["model"].keys() | b["model"].keys() if a["model"].get(k) != b["model"].get(k)} \
+        == {"transformers_version", "dtype", "swiglu_alpha"}
+    files = [(f, g) for f, g in zip(a["files"], b["files"], strict=True)]
+    assert all(f["path"] == g["path"] and f["size"] == g["size"] for f, g in files)
+    differ = [f["path"] for f, g in files if f["sha256"] != g["sha256"]]
+    assert differ and all(f.get("role") == "expert" for f, g in files if f["path"] in differ), differ
+    d = Dims.of(Checkpoint.open(ckpts["mxfp4"]).config, tp=1)
+    for path in differ:
+        x, y = load_file(str(a_dir / path)), load_file(str(b_dir / path))
+        for proj, inverse in (("gate_up", experts_mx.gate_up_inverse), ("down", experts_mx.down_inverse)):
+            w, sc, bias = (f"expert_{proj}_weights", f"expert_{proj}_weights_scale", f"expert_{proj}_bias")
+            assert np.array_equal(x[bias], y[bias])
+            for layer in range(x[w].shape[0]):
+                (bx, sx, _), (by, sy, _) = (inverse(d, t[w][layer], t[sc][layer], t[bias][layer], np.float32)
+                                            for t in (x, y))
+                assert np.array_equal(decode(bx, sx).view(np.uint32), decode(by, sy).view(np.uint32)), (path, proj)
 
 
 def test_an_mxfp4_source_is_refused_in_one_line(ckpts, tmp_path):
