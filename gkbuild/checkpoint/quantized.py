@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import parallel
 from ..errors import GkError
 from . import names
 from .mxfp4 import decode
@@ -26,13 +27,16 @@ MX_OF = {proj + part: proj for proj in names.PROJS for part in names.MX_PARTS}
 
 def expert_to_mx(w: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
     """Dense experts [n, in, out] (transformers' ``x @ w``) -> MXFP4 (blocks [n, out, in/32, 16],
-    scales [n, out, in/32]), as the hub checkpoint stores them; one expert at a time (the float32
+    scales [n, out, in/32]), as the hub checkpoint stores them; an expert a thread (the float32
     temporaries of one 120b expert are 66 MB)."""
     n, k, m = w.shape
     blocks = np.empty((n, m, k // 32, 16), np.uint8)
     scales = np.empty((n, m, k // 32), np.uint8)
-    for e in range(n):
+
+    def one(e: int) -> None:
         blocks[e], scales[e] = quantize(np.ascontiguousarray(as_float32(w[e]).T), rule)
+
+    parallel.each(one, range(n))  # the experts on the host's cores (numpy's loops release the GIL)
     return blocks, scales
 
 
