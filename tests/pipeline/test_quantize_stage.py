@@ -152,3 +152,27 @@ def test_the_scale_rule_keys_the_expert_shards_and_a_golden_of_another_rule_is_r
     rep = verify.run(b, texts=["Once upon a time"], steps=2)
     assert rep.ok and rep.kv == "tight", rep.failure()
     assert rep.quantization["scale_rule"] == "floor" and rep.quantization["reference"]["mean_kl"] > 0
+
+
+@pytest.mark.slow
+def test_a_bf16_tiny_topology_source_builds_and_verifies_tightly_with_its_quantization_report(tmp_path):
+    """Done when: a bf16 tiny-topology source (128 ranks) builds, verifies tightly against the MXFP4
+    reference of its golden (the trn3 recipe's FP8 KV), and the report holds the quantization's
+    numbers."""
+    from gkbuild import report
+    from gkbuild.model import preset
+
+    src = "synth://tiny-topology?layers=2&seed=0&dtype=bf16"
+    r = recipe.load(RECIPES / "tiny-topology-trn3.yaml", [f"source={src}"])
+    out = compile_build(r, out=tmp_path / "b", quiet=True, compile=False).out
+    kv = KvFormat(r.kv_dtype, r.kv_cache.k_scale, r.kv_cache.v_scale)
+    ids = [[t % preset('tiny-topology').V for t in s[:8]] for s in IDS]  # its vocabulary is smaller
+    g = for_checkpoint(materialize(parse(src)), [s[:4] for s in ids], 0, kv, continuations=[s[4:] for s in ids])
+    g.save(tmp_path / "g.safetensors")
+    rep = verify.run(out, golden=tmp_path / "g.safetensors", quant_tolerance=10.0)
+    assert rep.ok and rep.kv == "tight", rep.failure()
+    q = rep.to_dict()["quantization"]
+    assert q["reference"]["positions"] == 16 and q["reference"]["mean_kl"] > 1e-4 and q["ok"]
+    report.write(rep.to_dict(), tmp_path / "r", "verify")
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "Quantization (bf16 original vs MXFP4)" in page and f"{q['build']['mean_kl']:.3g}" in page
