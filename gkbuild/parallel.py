@@ -28,6 +28,11 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(WORKERS, thread_name_prefix="gkbuild-chunk", initializer=_start)
 
 
+# A forked child (the build's emission workers) inherits the pool object but none of its threads:
+# work queued on it would wait forever. The child makes its own on first use.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def _start() -> None:
     _mark()
     one_thread()
