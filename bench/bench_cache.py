@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from _measure import dir_arg, scratch  # noqa: E402
-from tests.s3server import moto_server  # noqa: E402
+from tests.s3server import MOTO, moto_server  # noqa: E402
 
 
 def demo(clone: Path, env: dict) -> tuple[float, float]:
@@ -47,7 +47,7 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         subprocess.run(["make", "install"], cwd=clone, check=True, capture_output=True)
         env = dict(os.environ, GKBUILD_CACHE=str(d / "gkcache"), COLUMNS="200")
-        with moto_server() as url:
+        with moto_server(server=MOTO) as url:  # moto's own, as its RESULTS rows were measured
             import boto3
 
             boto3.client("s3", endpoint_url=url).create_bucket(Bucket="gk-cache")

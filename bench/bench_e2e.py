@@ -7,7 +7,7 @@ Steps (each a fresh ``$GKBUILD_CACHE`` and ``$TMPDIR`` under the scratch folder,
 - ``golden``: ``golden SRC --forced`` at 4 sequences x 32 positions (4 prompt + 28 given), so one
   layer-major pass reads every layer's weights once (its ``--json`` counts the bytes read);
 - ``verify``: ``verify DIR/store --golden G`` in place (raw blobs hashed, then mapped where they lie);
-- ``build-s3``: the streamed build into an S3 store on 127.0.0.1 (``moto_ranged.py``, its objects
+- ``build-s3``: the streamed build into an S3 store on 127.0.0.1 (``tests/moto_ranged.py``, its objects
   spooled under the scratch folder), after the folder store is removed (both do not fit this disk
   at 36 layers); ``verify-s3``: verify of that store in place.
 Measured for each: wall, CPU (user + system of the tree), peak RSS (largest process), peak local
@@ -88,11 +88,10 @@ def main() -> None:
             rows.append(r)
         if {"build-s3", "verify-s3"} & set(a.only):
             shutil.rmtree(store, ignore_errors=True)  # both stores do not fit this disk at 36 layers
-            ranged = [sys.executable, str(Path(__file__).with_name("moto_ranged.py"))]
             (d / "moto-tmp").mkdir(exist_ok=True)
             tmp = os.environ.get("TMPDIR")
             os.environ["TMPDIR"] = str(d / "moto-tmp")  # the server's spooled objects: the store, not scratch
-            with moto_server(server=ranged, log=str(d / "moto.log")):
+            with moto_server(log=str(d / "moto.log")):
                 import boto3
 
                 os.environ.pop("TMPDIR") if tmp is None else os.environ.update(TMPDIR=tmp)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT))
 from _measure import build_120b, dir_arg, gib, median, run, scratch  # noqa: E402
-from tests.s3server import moto_server  # noqa: E402
+from tests.s3server import MOTO, moto_server  # noqa: E402
 
 GK = str(Path(sys.executable).with_name("gkbuild"))
 
@@ -36,7 +36,7 @@ def main() -> None:
         build, size = build_120b(d, a.layers, GK, ROOT)
         t = {k: [] for k in ("pub_dir", "fetch_dir", "pub_s3", "fetch_s3")}
         rss = dict.fromkeys(t, 0)
-        with moto_server() as url:
+        with moto_server(server=MOTO) as url:  # moto's own, as its RESULTS rows were measured
             import boto3
             import s3fs
 

@@ -3,7 +3,7 @@ the same recipe, from the same S3 source into the same S3 server (moto on 127.0.
 
 The gpt-oss-120b trn3 recipe on a synthesized N-layer 120b-shaped checkpoint, uploaded to
 s3://src/ckpt (outside the clock). The server is moto's with ranged GETs that read only the bytes
-asked for (``moto_ranged.py``: moto 5.2.5 reads a whole object for each ranged GET); the
+asked for (``tests/moto_ranged.py``: moto 5.2.5 reads a whole object for each ranged GET); the
 checkpoint's files are ``--file-size`` (1 GB; the hub's are ~4 GB, but moto's
 CompleteMultipartUpload holds a whole object twice in memory: moto/s3/models.py:479-510). Each
 round, alternating, each step with a fresh $GKBUILD_CACHE (so the baseline downloads its S3
@@ -117,8 +117,7 @@ def main() -> None:
         files = ["config.json", "model.safetensors.index.json", *sorted(p.name for p in ck.glob("*.safetensors"))]
         source_bytes = sum((ck / n).stat().st_size for n in files)
         global SOURCE
-        ranged = [sys.executable, str(Path(__file__).with_name("moto_ranged.py"))]
-        with (contextlib.nullcontext() if a.local else moto_server(server=ranged, log=str(d / "moto.log"))) as url:
+        with (contextlib.nullcontext() if a.local else moto_server(log=str(d / "moto.log"))) as url:
             import boto3
 
             if a.local:

@@ -9,24 +9,31 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Iterator
+
+MOTO = [sys.executable, "-m", "moto.server"]
+# moto with ranged GETs that read only the bytes asked for (tests/moto_ranged.py; tests/test_moto_ranged.py
+# holds it to moto's own answers): the default, since moto's copy of a whole object per ranged GET made
+# the by-range tests minutes long
+RANGED = [sys.executable, str(Path(__file__).with_name("moto_ranged.py"))]
 
 
 @contextlib.contextmanager
-def moto_server(recording: str | None = None, server: list[str] | None = None,
+def moto_server(recording: str | None = None, server: list[str] = RANGED,
                 log: str | None = None) -> Iterator[str]:
     """Start moto's S3 server on a free port of 127.0.0.1 and point the AWS chain at it (endpoint,
     dummy credentials, no profile files, no instance-metadata lookups); yields the endpoint URL;
     stops the server and restores the environment on exit. Nothing reaches beyond this machine.
     ``recording``: the file moto's request recorder writes to (``/moto-api/recorder/...``), for a
     test that counts requests. ``server``: the command that starts it, given moto's server
-    arguments (``python -m moto.server`` unless told; the benchmarks' ``bench/moto_ranged.py``);
+    arguments (``RANGED`` unless told; ``MOTO`` is moto's own);
     ``log``: a file for what the server prints (its tracebacks; else nothing is kept)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([*(server or [sys.executable, "-m", "moto.server"]), "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([*server, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=out, stderr=subprocess.STDOUT,
                             env=dict(os.environ, **({"MOTO_RECORDER_FILEPATH": recording} if recording else {})))
     url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,7 @@
-"""moto's S3 server with ranged GETs that read only the bytes asked for (benchmarks only).
+"""moto's S3 server with ranged GETs that read only the bytes asked for (the tests' and the
+benchmarks' S3 server: tests/s3server.py).
 
-    python bench/moto_ranged.py -H 127.0.0.1 -p PORT      # the arguments of ``python -m moto.server``
+    python tests/moto_ranged.py -H 127.0.0.1 -p PORT      # the arguments of ``python -m moto.server``
 
 moto 5.2.5 answers a ranged GET by reading the whole object and cutting the range from it:
 ``S3Response.get_object`` returns ``key.value`` (moto/s3/responses.py:2051), which reads the key's

@@ -1,22 +1,19 @@
-"""bench/moto_ranged.py (the benchmarks' S3 server: ranged GETs read only the bytes asked for)
-answers every kind of GET as moto's own server does: the same status, Content-Range and bytes."""
+"""tests/moto_ranged.py (the tests' and benchmarks' S3 server: ranged GETs read only the bytes asked
+for) answers every kind of GET as moto's own server does: the same status, Content-Range and bytes."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import boto3
 from botocore.exceptions import ClientError
 
-from tests.s3server import moto_server
+from tests.s3server import MOTO, RANGED, moto_server
 
-RANGED = [sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "moto_ranged.py")]
 N = (6 << 20) + 7  # past moto's in-memory buffer (5 MiB - 1 KiB): the object lives in a temporary file
 
 
-def _answers(server: list[str] | None, data: bytes) -> dict:
+def _answers(server: list[str], data: bytes) -> dict:
     """status, Content-Range and body of a GET of the object for each Range header (None: none)."""
     ranges = [None, "bytes=0-0", "bytes=5-1000", f"bytes={N - 10}-", "bytes=-7", f"bytes={N - 3}-{N + 50}",
               "bytes=0-1,5-6", "bytes=abc", f"bytes={N}-", "bytes=9-3"]
@@ -36,7 +33,7 @@ def _answers(server: list[str] | None, data: bytes) -> dict:
 
 def test_ranged_gets_answer_as_moto_does():
     data = os.urandom(N)
-    ours, moto = _answers(RANGED, data), _answers(None, data)
+    ours, moto = _answers(RANGED, data), _answers(MOTO, data)
     assert ours == moto
     assert ours["bytes=5-1000"] == (206, f"bytes 5-1000/{N}", data[5:1001])
     assert ours["bytes=-7"][2] == data[-7:] and ours[None] == (200, None, data)
