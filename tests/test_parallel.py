@@ -36,6 +36,11 @@ def test_a_forked_child_of_a_process_with_a_pool_runs_its_chunks():
 
 def _chunks_in_child() -> None:
     threads = {threading.get_ident()}
-    out = parallel.each(lambda x: (threads.add(threading.get_ident()), x * 2)[1], range(8))
+
+    def double(x: int) -> int:
+        threads.add(threading.get_ident())
+        return x * 2
+
+    out = parallel.each(double, range(8))
     assert out == [x * 2 for x in range(8)]
     assert parallel.WORKERS == 1 or len(threads) > 1  # on the child's own pool, not inline
